@@ -1,0 +1,3 @@
+"""Root conftest: loads the suite's plugin and fixtures (see fixtures/plugin.py)."""
+
+pytest_plugins = ["fixtures.plugin", "fixtures.vllm_install"]

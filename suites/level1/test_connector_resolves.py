@@ -1,0 +1,54 @@
+"""level1: the profile's connector resolves as vLLM resolves it and is complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.session import state
+from fixtures.vllm_install import resolve_connector, unimplemented_abstract_methods
+
+pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
+
+
+def test_connector_resolves_as_vllm_resolves_it(vllm_module, record_property) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    cfg = state().profile.kv_transfer_config()
+    cls = resolve_connector(cfg)
+    record_property("connector_class", f"{cls.__module__}.{cls.__qualname__}")
+    assert isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1), (
+        f"kv_connector {cfg['kv_connector']!r} resolves to {cls!r}, which is not a "
+        "KVConnectorBase_V1 subclass: vLLM's V1 engine cannot drive it")
+
+
+def test_connector_implements_every_abstract_method(vllm_module) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    cls = resolve_connector(state().profile.kv_transfer_config())
+    missing = unimplemented_abstract_methods(cls, KVConnectorBase_V1)
+    assert not missing, (
+        f"{cls.__module__}.{cls.__qualname__} leaves {len(missing)} abstract method(s) "
+        f"of this vLLM's KVConnectorBase_V1 unimplemented: {', '.join(missing)}. "
+        "vLLM cannot instantiate it; implement them (the base class API changed "
+        "between vLLM versions)")
+
+
+def _profile_imports() -> list[str]:
+    return state().profile["imports"]["modules"]
+
+
+@pytest.mark.parametrize("module", _profile_imports() or [None])
+def test_profile_modules_import(module) -> None:
+    import importlib
+
+    from fixtures.vllm_install import explain_import_error
+
+    if module is None:
+        pytest.skip(f"profile {state().profile.name} declares no extra modules "
+                    "([imports] modules)")
+    hint = state().profile["imports"]["hint"]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"`import {module}` failed: {exc} — {explain_import_error(str(exc))}"
+                    + (f". Fix: {hint}" if hint else ""), pytrace=False)

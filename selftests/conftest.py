@@ -1,0 +1,141 @@
+"""Shared machinery for the suite's own tests: run the suite in a subprocess.
+
+The suite's checks are proved by running them against known-bad environments built in
+temp dirs. :func:`run_suite` runs ``python -m pytest`` from the repo root in a fresh
+interpreter with a chosen environment and returns the exit code, the output and the
+parsed ``summary.json`` (see :mod:`fixtures.report`), so a self-test can assert that a
+check FAILED and that its message names the cause and the fix.
+
+Usage from a self-test::
+
+    from selftests.conftest import run_suite
+
+    def test_x(tmp_path):
+        run = run_suite(["suites/level1/test_vllm_install.py", "-k", "torch_matches"],
+                        tmp_path / "report", env={"VLLM_SOURCE": str(tree)})
+        t = run.test("test_torch_matches_vllm_pin")
+        assert t["outcome"] == "failed" and "9.9.9" in t["message"]
+
+or through the ``suite_runner`` fixture, which picks a fresh report folder under
+``tmp_path`` for every call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Variables a caller's shell may set that would change which profile/strictness/report
+# folder the child run uses; they are dropped unless the caller passes them in ``env``.
+SUITE_ENV_VARS = ("TVC_PROFILE", "TVC_REQUIRE", "TVC_REPORT_DIR",
+                  "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST")
+
+
+@dataclass
+class SuiteRun:
+    """The outcome of one suite run in a subprocess.
+
+    Attributes:
+        rc: pytest's exit code (0 ok, 1 tests failed, 4 usage error, 5 nothing ran).
+        stdout: stdout and stderr of the run, interleaved.
+        summary: the parsed ``summary.json``, or None when the run wrote none
+            (e.g. a usage error at start-up).
+        report_dir: the ``--report-dir`` the run used.
+    """
+
+    rc: int
+    stdout: str
+    summary: dict[str, Any] | None
+    report_dir: Path
+
+    def test(self, name: str) -> dict[str, Any]:
+        """The summary entry of the one test whose node id contains ``name``.
+
+        Args:
+            name: a substring of the node id, e.g. ``"test_torch_matches_vllm_pin"``
+                or ``"[TMPDIR]"``.
+
+        Returns:
+            dict with ``nodeid``, ``outcome``, ``message``, ``properties``...
+
+        Raises:
+            AssertionError: no summary, or not exactly one matching test (the
+                message shows the run's output to debug with).
+        """
+        assert self.summary is not None, (
+            f"no summary.json (rc {self.rc}):\n{self.tail()}")
+        hits = [t for t in self.summary["tests"] if name in t["nodeid"]]
+        assert len(hits) == 1, (
+            f"expected one test matching {name!r}, got "
+            f"{[t['nodeid'] for t in hits]} of "
+            f"{[t['nodeid'] for t in self.summary['tests']]}\n{self.tail()}")
+        return hits[0]
+
+    def junit(self) -> ET.Element:
+        """The parsed ``junit.xml`` root element."""
+        return ET.parse(self.report_dir / "junit.xml").getroot()
+
+    def tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` characters of the output, for assertion messages."""
+        return self.stdout[-chars:]
+
+
+def run_suite(args: Sequence[str], report_dir: Path,
+              env: Mapping[str, str | None] | None = None,
+              timeout_s: float = 300) -> SuiteRun:
+    """Run the suite in a fresh interpreter from the repo root.
+
+    Runs ``[sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider",
+    "--report-dir", report_dir]`` with cwd = repo root.
+
+    Args:
+        args: pytest arguments (test paths, ``-k``, ``--profile``...).
+        report_dir: the run folder for ``junit.xml`` / ``summary.json``.
+        env: overrides on top of ``os.environ`` (minus :data:`SUITE_ENV_VARS`);
+            a value of None removes the variable (e.g. ``{"CUDA_HOME": None}``).
+        timeout_s: wall-clock limit in seconds.
+
+    Returns:
+        the :class:`SuiteRun`.
+    """
+    full_env = {k: v for k, v in os.environ.items() if k not in SUITE_ENV_VARS}
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    argv = [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider",
+            "--report-dir", str(report_dir)]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+    summary_path = Path(report_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return SuiteRun(rc=proc.returncode, stdout=proc.stdout + proc.stderr,
+                    summary=summary, report_dir=Path(report_dir))
+
+
+@pytest.fixture
+def suite_runner(tmp_path: Path):
+    """A :func:`run_suite` that uses a fresh report folder under ``tmp_path``.
+
+    Returns:
+        callable ``(args, env=None, timeout_s=300) -> SuiteRun``.
+    """
+    counter = iter(range(1_000_000))
+
+    def runner(args: Sequence[str], env: Mapping[str, str | None] | None = None,
+               timeout_s: float = 300) -> SuiteRun:
+        return run_suite(args, tmp_path / f"report-{next(counter)}", env, timeout_s)
+
+    return runner

@@ -119,9 +119,9 @@ def test_daemon_is_started_waited_for_and_stopped_with_its_group(world) -> None:
 
 def test_environment_reaches_the_daemon(world, tmp_path: Path) -> None:
     out = tmp_path / "env.txt"
-    code = ("import os; open(%r,'w').write(os.environ.get('TUTTI_VERBOSE','')); "
-            "os.makedirs(%r); os.makedirs(%r); open(%r,'w').close(); "
-            "import time; time.sleep(60)") % (
+    code = ("import os; open({!r},'w').write(os.environ.get('TUTTI_VERBOSE','')); "
+            "os.makedirs({!r}); os.makedirs({!r}); open({!r},'w').close(); "
+            "import time; time.sleep(60)").format(
         str(out), str(world["root"] / "dev" / "snvme0"),
         str(world["root"] / "mnt" / "nvme0"),
         str(world["root"] / "mnt" / "nvme0" / "f"))

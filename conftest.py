@@ -1,3 +1,8 @@
 """Root conftest: loads the suite's plugin and fixtures (see fixtures/plugin.py)."""
 
-pytest_plugins = ["fixtures.plugin", "fixtures.vllm_install"]
+pytest_plugins = [
+    "fixtures.plugin",
+    "fixtures.vllm_install",
+    "fixtures.model",
+    "fixtures.vllm_server",
+]

@@ -1,7 +1,8 @@
 """Install the CPU reference stack (vLLM 0.28.0 + CPU torch 2.13.0) into this Python.
 
 Only for a box that has no vLLM of its own: it refuses to run where a vLLM is already
-installed, unless ``--force`` is given, so it can never replace a user's (editable) vLLM.
+installed, unless ``--force`` is given, so it can never replace a user's (editable)
+vLLM.
 
 vLLM's wheel pins CUDA-only packages (torchvision, torchaudio, torchcodec, flashinfer,
 ...). CUDA-built torchvision/torchaudio/torchcodec break ``import vllm.config`` on CPU
@@ -18,7 +19,8 @@ import sys
 
 from packaging.requirements import Requirement
 
-VLLM_VERSION = "0.28.0"  # newest release pinning torch==2.13.0 (CPU wheel on local disk)
+# newest release pinning torch==2.13.0 (whose CPU wheel lies on local disk)
+VLLM_VERSION = "0.28.0"
 TORCH_VERSION = "2.13.0"
 # Requirements of vllm 0.28.0 that are CUDA-only or break a CPU torch (see module doc).
 CUDA_ONLY = {
@@ -40,7 +42,8 @@ def pip(*args: str) -> None:
 def main() -> None:
     """Install torch, then vLLM without deps, then vLLM's non-CUDA requirements."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--force", action="store_true", help="install over an existing vLLM")
+    ap.add_argument("--force", action="store_true",
+                    help="install over an existing vLLM")
     args = ap.parse_args()
     try:
         have = md.version("vllm")
@@ -61,7 +64,8 @@ def main() -> None:
             continue
         wanted.append(str(req))
     pip(f"torch=={TORCH_VERSION}", *wanted)
-    print(f"reference stack ready: vllm {md.version('vllm')}, torch {md.version('torch')}")
+    print(f"reference stack ready: vllm {md.version('vllm')}, "
+          f"torch {md.version('torch')}")
 
 
 if __name__ == "__main__":

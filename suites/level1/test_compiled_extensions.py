@@ -1,4 +1,5 @@
-"""level1: every compiled extension vLLM ships loads (no undefined symbol / missing lib).
+"""level1: every compiled extension vLLM ships loads (no undefined symbol, no lib
+missing).
 
 Extensions link the CUDA driver, so they are imported only where a CUDA driver exists
 (hardware level ``gpu``); elsewhere the test skips with that reason.

@@ -50,5 +50,6 @@ def test_profile_modules_import(module) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        pytest.fail(f"`import {module}` failed: {exc} — {explain_import_error(str(exc))}"
+        why = explain_import_error(str(exc))
+        pytest.fail(f"`import {module}` failed: {exc} — {why}"
                     + (f". Fix: {hint}" if hint else ""), pytrace=False)

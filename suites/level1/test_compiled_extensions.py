@@ -1,5 +1,4 @@
-"""level1: every compiled extension vLLM ships loads (no undefined symbol, no lib
-missing).
+"""level1: every compiled extension vLLM ships loads (no undefined symbol).
 
 Extensions link the CUDA driver, so they are imported only where a CUDA driver exists
 (hardware level ``gpu``); elsewhere the test skips with that reason.

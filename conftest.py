@@ -5,4 +5,6 @@ pytest_plugins = [
     "fixtures.vllm_install",
     "fixtures.model",
     "fixtures.vllm_server",
+    "fixtures.trace_bench",
+    "fixtures.contract",
 ]

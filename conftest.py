@@ -6,5 +6,4 @@ pytest_plugins = [
     "fixtures.model",
     "fixtures.vllm_server",
     "fixtures.trace_bench",
-    "fixtures.contract",
 ]

@@ -6,4 +6,5 @@ pytest_plugins = [
     "fixtures.model",
     "fixtures.vllm_server",
     "fixtures.trace_bench",
+    "fixtures.contract",
 ]

@@ -1,0 +1,194 @@
+"""contract (scheduler side): the connector keeps the contract vLLM's V1 scheduler
+relies on, driven through vLLM's own ``Scheduler`` on CPU.
+
+Each test builds a rig (config, real scheduler, the connector's worker side on CPU
+where the profile allows it, else a transfer-acknowledging stand-in), acts, and
+checks with the named invariant helpers of :mod:`fixtures.contract`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fixtures import contract as C
+
+pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
+
+BLOCK_SIZES = (16, 32)  # issue 3 matrix
+PROMPT_BLOCKS = (1, 4)  # k in {k*B - 1, k*B, k*B + 1}
+
+
+def _lengths(block_size: int) -> list[int]:
+    return [k * block_size + d for k in PROMPT_BLOCKS for d in (-1, 0, 1)]
+
+
+def _store_then_replay(rig: C.Rig, num_tokens: int, **kw) -> tuple:
+    """Run a prompt (stored), forget the local cache, run it again."""
+    first = rig.request(num_tokens, **kw)
+    rig.driver.run(first)
+    rig.forget_local_cache()
+    second = rig.request(num_tokens, shared_prefix=first.prompt_token_ids)
+    rig.driver.run(second)
+    return first, second
+
+
+def test_cold_prompt_matches_nothing(rig_factory) -> None:
+    rig = rig_factory(block_size=16)
+    req = rig.request(4 * 16 + 1)
+    try:
+        rig.driver.run(req)
+    finally:
+        _, matched, _ = C.external_hit(rig.driver, req)
+        assert matched == 0, (
+            f"cold prompt ({req.num_prompt_tokens} tokens, never stored): the "
+            f"connector matched {matched} tokens, expected 0 — it reports hits it "
+            "cannot load (false hit)")
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
+                                               block_size, record_property) -> None:
+    rule = contract_profile["connector"]["hit_rule"]
+    if not rule:
+        pytest.skip(f"profile {contract_profile.name} declares no connector.hit_rule; "
+                    "add the connector's rule (an expression of len and B) with its "
+                    "hit_rule_source to check hits exactly")
+    rig = rig_factory(block_size=block_size)
+    seen = {}
+    for n in _lengths(block_size):
+        _, second = _store_then_replay(rig, n)
+        local, matched, _ = C.external_hit(rig.driver, second)
+        seen[n] = matched
+        C.assert_block_aligned(matched, block_size, n)
+        C.assert_hit_matches_rule(
+            matched, contract_profile.expected_hit_tokens(n, block_size), n,
+            block_size, rule, contract_profile["connector"]["hit_rule_source"])
+        C.assert_last_token_recomputed(rig.driver, second)
+        C.assert_only_unmatched_tokens_run(rig.driver, second, local + matched)
+        if rig.worker is not None:
+            C.assert_loaded_kv_bit_identical(rig.worker)
+        C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+    record_property("hits_by_prompt_len", seen)
+
+
+def test_prefix_sharing_matches_at_most_the_shared_blocks(rig_factory) -> None:
+    rig = rig_factory(block_size=16)
+    b = rig.block_size
+    base = rig.request(6 * b + 3)
+    rig.driver.run(base)
+    for k in (1, 3):
+        rig.forget_local_cache()
+        shared = list(base.prompt_token_ids[: k * b])
+        req = rig.request(6 * b + 3, shared_prefix=shared)
+        rig.driver.run(req)
+        _, matched, _ = C.external_hit(rig.driver, req)
+        assert matched <= k * b, (
+            f"prompt sharing {k} full block(s) ({k * b} tokens) with a stored prompt "
+            f"matched {matched} tokens: at most {k * b} may match — the connector "
+            "reports tokens beyond the shared prefix (false hit)")
+        C.assert_block_aligned(matched, b, req.num_prompt_tokens)
+    rig.forget_local_cache()
+    other = rig.request(6 * b + 3)
+    rig.driver.run(other)
+    _, matched, _ = C.external_hit(rig.driver, other)
+    assert matched == 0, (f"unrelated prompt matched {matched} tokens, expected 0 "
+                          "(false hit)")
+    if rig.worker is not None:
+        C.assert_loaded_kv_bit_identical(rig.worker)
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def test_async_load_completes_through_finished_receiving(rig_factory) -> None:
+    rig = rig_factory(block_size=16)
+    n = 4 * 16 + 5
+    _, second = _store_then_replay(rig, n)
+    local, matched, is_async = C.external_hit(rig.driver, second)
+    if not is_async:
+        pytest.skip("the connector loads synchronously (get_num_new_matched_tokens "
+                    "returned load_kv_async=False), so there is no "
+                    "finished-receiving path to check")
+    assert second.request_id in rig.driver.finished_recving, (
+        f"request {second.request_id} was admitted with an async load of {matched} "
+        "tokens but its id never appeared in KVConnectorOutput.finished_recving")
+    C.assert_only_unmatched_tokens_run(rig.driver, second, local + matched)
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def test_connector_metadata_survives_scheduler_to_worker_serialization(
+        rig_factory) -> None:
+    rig = rig_factory(block_size=16, real_worker=False)
+    rig.driver.serialize = False  # check each metadata here, not in the driver
+    _store_then_replay(rig, 3 * 16 + 7)
+    assert rig.driver.metas, "the scheduler produced no connector metadata"
+    for meta in rig.driver.metas:
+        C.assert_metadata_survives_serialization(meta)
+
+
+def test_request_finished_returns_documented_types(rig_factory) -> None:
+    rig = rig_factory(block_size=16)
+    _store_then_replay(rig, 2 * 16 + 3)
+    returns = list(C.iter_finished_returns(rig.driver))
+    assert len(returns) == 2, (
+        f"vLLM called request_finished(_all_groups) for {len(returns)} of 2 "
+        "finished requests")
+    for _rid, method, ret in returns:
+        C.assert_request_finished_types(ret, method)
+
+
+def test_scheduler_is_empty_and_every_block_free_after_requests_finish(
+        rig_factory) -> None:
+    rig = rig_factory(block_size=16)
+    reqs = [rig.request(n) for n in (17, 40, 3 * 16)]
+    rig.driver.run(*reqs)
+    rig.forget_local_cache()
+    rig.driver.run(*[rig.request(r.num_prompt_tokens,
+                                 shared_prefix=r.prompt_token_ids) for r in reqs])
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+@settings(settings.get_profile("tvc-ci"))
+@given(block_size=st.sampled_from(BLOCK_SIZES),
+       plan=st.lists(st.tuples(st.integers(0, 4), st.integers(2, 40)),
+                     min_size=2, max_size=4))
+def test_prefix_sharing_sequences_never_overmatch(rig_factory, block_size,
+                                                  plan) -> None:
+    """Requests sharing k blocks of earlier prompts match at most what is shared.
+
+    Prompts are at least 2 tokens: vLLM 0.26/0.28's ExampleConnector answers -B
+    for a 1-token prompt once any prompt of at most B tokens was stored (its
+    ``align_to_block_size(0)`` is ``-B``); that defect is reported, not tested.
+    """
+    rig = rig_factory(block_size=block_size)
+    b = block_size
+    stored: list[list[int]] = []
+    base = rig.request(4 * b + 2).prompt_token_ids
+    for k, tail in plan:
+        rig.forget_local_cache()
+        req = rig.request(k * b + tail, shared_prefix=base[: k * b])
+        rig.driver.run(req)
+        _, matched, _ = C.external_hit(rig.driver, req)
+        toks = req.prompt_token_ids
+        common = max((_common(toks, s) for s in stored), default=0)
+        bound = common // b * b
+        assert matched <= bound, (
+            f"request of {len(toks)} tokens whose longest common prefix with any "
+            f"stored prompt is {common} tokens matched {matched} (> {bound}, "
+            f"block {b}): false hit. Reproduce with TVC_CONTRACT_NONCE="
+            f"{C.RUN_NONCE} and the printed example")
+        C.assert_block_aligned(matched, b, len(toks))
+        stored.append(list(toks))
+    if rig.worker is not None:
+        C.assert_loaded_kv_bit_identical(rig.worker)
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

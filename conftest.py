@@ -7,4 +7,6 @@ pytest_plugins = [
     "fixtures.vllm_server",
     "fixtures.trace_bench",
     "fixtures.contract",
+    "fixtures.daemon",
+    "fixtures.store",
 ]

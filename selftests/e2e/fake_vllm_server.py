@@ -1,0 +1,116 @@
+"""A stand-in for ``python -m vllm.entrypoints.openai.api_server`` in self-tests.
+
+Accepts the argv VllmServer builds (``--model M --host H --port P ...``) and behaves
+as ``FAKE_VLLM_MODE`` says:
+
+- ``healthy``: after ``FAKE_VLLM_DELAY_S`` serves /health, /v1/models, /metrics (the
+  text of ``FAKE_VLLM_METRICS``), POST /reset_prefix_cache and /v1/completions (greedy
+  fake: token i = (sum(prompt) + i) % 97 + 3; streamed with ``"stream": true``).
+- ``die``: prints a few lines, then a fatal one, and exits with code 3.
+- ``hang``: never answers /health.
+- ``ignore-term``: like ``healthy`` but ignores SIGTERM (teardown must SIGKILL).
+
+Always starts a grandchild (``sleep``) in its process group and writes
+``{"server": pid, "child": pid}`` to ``FAKE_VLLM_PIDS``; writes argv and the
+environment it saw to ``FAKE_VLLM_ARGV`` (JSON) when set.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+mode = os.environ.get("FAKE_VLLM_MODE", "healthy")
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+host = argv[argv.index("--host") + 1]
+model = argv[argv.index("--model") + 1]
+if os.environ.get("FAKE_VLLM_ARGV"):
+    with open(os.environ["FAKE_VLLM_ARGV"], "w") as f:
+        json.dump({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, f)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+if os.environ.get("FAKE_VLLM_PIDS"):
+    with open(os.environ["FAKE_VLLM_PIDS"], "w") as f:
+        json.dump({"server": os.getpid(), "child": child.pid}, f)
+print(f"INFO fake api server for {model} on {host}:{port}", flush=True)
+if mode == "die":
+    print("INFO loading weights", flush=True)
+    print("ERROR torch.OutOfMemoryError: CUDA out of memory (fake)", flush=True)
+    sys.exit(3)
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "hang":
+    while True:
+        time.sleep(1)
+time.sleep(float(os.environ.get("FAKE_VLLM_DELAY_S", "0")))
+METRICS = open(os.environ["FAKE_VLLM_METRICS"]).read() if os.environ.get(
+    "FAKE_VLLM_METRICS") else "# no metrics\n"
+
+
+def fake_tokens(prompt, n):
+    return [(sum(prompt) + i) % 97 + 3 for i in range(n)]
+
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        print("INFO http", *a, flush=True)
+
+    def _send(self, code, body, ctype="application/json"):
+        data = body.encode() if isinstance(body, str) else body
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._send(200, "")
+        elif self.path == "/metrics":
+            self._send(200, METRICS, "text/plain; version=0.0.4")
+        elif self.path == "/v1/models":
+            self._send(200, json.dumps({"data": [{"id": model}]}))
+        else:
+            self._send(404, "{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                          or b"{}")
+        if self.path.startswith("/reset_prefix_cache"):
+            self._send(200, json.dumps({"success": True}))
+            return
+        if self.path != "/v1/completions":
+            self._send(404, "{}")
+            return
+        prompt, n = body["prompt"], body.get("max_tokens", 16)
+        toks = fake_tokens(prompt, n)
+        top = [{f"token_id:{t}": -0.5, f"token_id:{t + 1}": -1.5} for t in toks]
+
+        def choice(ids, tops, first):
+            return {"index": 0, "text": " ".join(f"w{t}" for t in ids),
+                    "token_ids": ids,
+                    "prompt_token_ids": prompt if first else None,
+                    "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                 "token_logprobs": [-0.5] * len(ids),
+                                 "top_logprobs": tops}}
+        if not body.get("stream"):
+            self._send(200, json.dumps({"choices": [choice(toks, top, True)],
+                                        "usage": {"prompt_tokens": len(prompt)}}))
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i, t in enumerate(toks):
+            chunk = {"choices": [choice([t], [top[i]], i == 0)]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.01)
+        usage = {"choices": [], "usage": {"prompt_tokens": len(prompt)}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+
+print("INFO Application startup complete.", flush=True)
+ThreadingHTTPServer((host, port), H).serve_forever()

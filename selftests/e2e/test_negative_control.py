@@ -1,0 +1,79 @@
+"""GPU self-test: the two-pass test FAILS against a connector that corrupts its loads.
+
+Runs ``suites/e2e/test_external_prefix_hit.py::test_second_pass_is_served_from_
+connector_with_identical_output`` in a subprocess with a profile (written to tmp)
+naming :class:`corrupting_connector.CorruptingConnector`, this folder on PYTHONPATH.
+The connector stores and matches like ExampleConnector, so the hit counters agree;
+the test must fail on output token ids or logprobs, and for no other reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fixtures.session import state
+from selftests.conftest import run_suite
+
+pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
+
+HERE = Path(__file__).resolve().parent
+TEST = ("suites/e2e/test_external_prefix_hit.py::"
+        "test_second_pass_is_served_from_connector_with_identical_output")
+EQUALITY_FAILURE = ("output token ids differ between pass 1 and pass 2",
+                    "logprob of token", "do not share their top tokens")
+
+
+def write_profile(tmp_path: Path) -> Path:
+    serve_args = state().profile["vllm"]["serve_args"]
+    text = f"""\
+[profile]
+name = "corrupting-example"
+description = "ExampleConnector whose loaded KV is overwritten with noise"
+
+[connector]
+name = "CorruptingConnector"
+module_path = "corrupting_connector"
+kv_role = "kv_both"
+extra_config = {{ shared_storage_path = "${{SCRATCH}}/corrupting-store" }}
+hit_rule = "(len - 2) // B * B"
+hit_rule_source = "same as the example profile (ExampleConnector's matching)"
+hit_log_pattern = "External Cache Hit!"
+persistent_store = true
+
+[model]
+path = "${{TVC_MODEL:-}}"
+
+[vllm]
+serve_args = {json.dumps(serve_args)}
+
+[scratch]
+dir = "{tmp_path / 'scratch'}"
+"""
+    path = tmp_path / "corrupting.toml"
+    path.write_text(text)
+    return path
+
+
+def test_two_pass_check_catches_a_connector_that_corrupts_loaded_kv(tmp_path):
+    profile = write_profile(tmp_path)
+    pythonpath = os.pathsep.join(
+        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    run = run_suite([TEST, "--profile", str(profile), "--require", "gpu"],
+                    tmp_path / "report", env={"PYTHONPATH": pythonpath},
+                    timeout_s=900)
+    t = run.test("test_second_pass_is_served_from_connector_with_identical_output")
+    assert t["outcome"] == "failed", (
+        f"the e2e two-pass test passed (or did not run: {t['outcome']}) against a "
+        f"connector that corrupts the KV it loads — the check is blind\n{run.tail()}")
+    props = t["properties"]
+    block = int(props.get("block_size", 16))
+    expected = (int(props.get("prompt_tokens", 600)) - 2) // block * block
+    assert props.get("external_hits_pass2") == expected, (
+        f"the corrupting connector should still hit {expected} tokens in pass 2 "
+        f"(properties {props}); the run failed for another reason:\n{t['message']}")
+    assert any(s in t["message"] for s in EQUALITY_FAILURE), (
+        f"expected a failure on output/logprob equality, got: {t['message']}")

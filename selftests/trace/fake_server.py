@@ -1,0 +1,195 @@
+"""A fake streaming completions server on 127.0.0.1 with controlled delays.
+
+Speaks the subset of vLLM's OpenAI API the trace tier uses: ``POST /v1/completions``
+(stream: chunked SSE, one chunk per token, ``data: [DONE]``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (prefix-cache counters) and
+``POST /reset_prefix_cache``. Prompts are token-id lists.
+
+Cache model: a prompt seen since the last reset is a local hit (all its tokens); with
+``connector=True`` a prompt stored before (in any earlier request) is an external hit;
+``store_serves=False`` makes a known-bad connector that never serves (no external
+hits). A hit answers after ``hit_ttft_s`` instead of ``ttft_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeServer:
+    """Owns a fake server thread; usable where the campaign expects a VllmServer."""
+
+    def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.01,
+                 hit_ttft_s: float | None = None, connector: bool = False,
+                 store_serves: bool = True, fail_status: int = 0,
+                 drop_done: bool = False, model: str = "fake-model") -> None:
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
+        self.hit_ttft_s = ttft_s if hit_ttft_s is None else hit_ttft_s
+        self.connector = connector
+        self.store_serves = store_serves
+        self.fail_status = fail_status
+        self.drop_done = drop_done
+        self.model = model
+        self.argv = ["fake-server", f"connector={connector}"]
+        self.local: set[tuple[int, ...]] = set()
+        self.store: set[tuple[int, ...]] = set()
+        self.counters = {"local_hits": 0, "queries": 0, "ext_hits": 0,
+                         "ext_queries": 0}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.bodies: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- VllmServer-like surface -------------------------------------------------
+    @property
+    def url(self) -> str:
+        assert self._httpd is not None
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def client(self, timeout_s: float = 30.0) -> Any:
+        from fixtures.vllm_server import VllmClient
+
+        return VllmClient(self.url, timeout_s=timeout_s)
+
+    def start(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/health":
+                    self._send(200, b"", "text/plain")
+                elif self.path == "/v1/models":
+                    self._send(200, json.dumps(
+                        {"data": [{"id": fake.model}]}).encode(), "application/json")
+                elif self.path == "/metrics":
+                    self._send(200, fake.metrics_text().encode(), "text/plain")
+                else:
+                    self._send(404, b"not found", "text/plain")
+
+            def do_POST(self) -> None:  # noqa: N802
+                n = int(self.headers.get("Content-Length", 0))
+                raw = self.rfile.read(n) if n else b""
+                if self.path.startswith("/reset_prefix_cache"):
+                    with fake._lock:
+                        fake.local.clear()
+                    self._send(200, b"", "text/plain")
+                    return
+                if self.path != "/v1/completions":
+                    self._send(404, b"not found", "text/plain")
+                    return
+                body = json.loads(raw)
+                fake.bodies.append(body)
+                if fake.fail_status:
+                    self._send(fake.fail_status, b'{"error": "injected"}',
+                               "application/json")
+                    return
+                fake.serve_stream(self, body)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> FakeServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- behaviour -------------------------------------------------------------------
+    def lookup(self, prompt: tuple[int, ...]) -> bool:
+        """Account one prompt in the cache counters; True on any hit."""
+        with self._lock:
+            n = len(prompt)
+            self.counters["queries"] += n
+            hit = False
+            if prompt in self.local:
+                self.counters["local_hits"] += n
+                hit = True
+            elif self.connector:
+                self.counters["ext_queries"] += n
+                if self.store_serves and prompt in self.store:
+                    self.counters["ext_hits"] += n
+                    hit = True
+            self.local.add(prompt)
+            if self.connector:
+                self.store.add(prompt)
+            return hit
+
+    def serve_stream(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            hit = self.lookup(tuple(body["prompt"]))
+            h.send_response(200)
+            h.send_header("Content-Type", "text/event-stream")
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+
+            def chunk(obj: Any) -> None:
+                data = f"data: {obj}\n\n".encode()
+                h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                h.wfile.flush()
+
+            time.sleep(self.hit_ttft_s if hit else self.ttft_s)
+            n = int(body["max_tokens"])
+            for i in range(n):
+                if i:
+                    time.sleep(self.itl_s)
+                chunk(json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}))
+            chunk(json.dumps({"choices": [], "usage": {
+                "prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
+            if not self.drop_done:
+                chunk("[DONE]")
+            h.wfile.write(b"0\r\n\r\n")
+            h.wfile.flush()
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def metrics_text(self) -> str:
+        c = self.counters
+        lines = [
+            "# TYPE vllm:prefix_cache_hits counter",
+            f'vllm:prefix_cache_hits_total{{engine="0"}} {c["local_hits"]}',
+            "# TYPE vllm:prefix_cache_queries counter",
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {c["queries"]}',
+        ]
+        if self.connector:
+            lines += [
+                "# TYPE vllm:external_prefix_cache_hits counter",
+                f'vllm:external_prefix_cache_hits_total{{engine="0"}} '
+                f'{c["ext_hits"]}',
+                "# TYPE vllm:external_prefix_cache_queries counter",
+                f'vllm:external_prefix_cache_queries_total{{engine="0"}} '
+                f'{c["ext_queries"]}',
+            ]
+        return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Trace tier machinery on fixed inputs: percentiles, prompts, plans, checks, settings."""
+"""Trace machinery on fixed inputs: percentiles, prompts, plans, checks, settings."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def rec(i: int, ids: list[int], length: int, ts: float = 0.0, out: int = 8
     return tr.TraceRecord(i, ts, length, out, tuple(ids))
 
 
-# -- percentile math ------------------------------------------------------------------
+# -- percentile math --
 
 def test_percentiles_are_linear_interpolation_between_ranks() -> None:
     s = tr.summarize([float(v) for v in range(1, 11)])  # 1..10
@@ -52,7 +52,7 @@ def test_ttft_gain_is_baseline_over_connector() -> None:
     assert g["p90"] == 2.0 and g["p99"] is None
 
 
-# -- prompt synthesis -----------------------------------------------------------------
+# -- prompt synthesis --
 
 def test_equal_hash_ids_give_identical_blocks_and_different_ids_differ() -> None:
     s = tr.PromptSynth(tokens_per_hash_id=16, token_low=3, token_high=512)
@@ -92,7 +92,7 @@ def test_bad_synth_settings_are_refused() -> None:
         tr.PromptSynth(16, token_low=10, token_high=10)
 
 
-# -- trace files ------------------------------------------------------------------------
+# -- trace files --
 
 def test_trace_reader_names_file_and_line(tmp_path: Path) -> None:
     p = tmp_path / "t.jsonl"
@@ -131,7 +131,7 @@ def test_generator_depends_on_the_seed() -> None:
     assert tr.generate_trace(seed=1) == tr.generate_trace(seed=1)
 
 
-# -- modes ------------------------------------------------------------------------------
+# -- modes --
 
 TRACE = [rec(0, [0, 1, 2], 1536, 0), rec(1, [0, 1, 3], 1536, 100),
          rec(2, [4, 5], 1024, 200), rec(3, [0, 1, 2], 1536, 300),
@@ -167,7 +167,7 @@ def test_plan_caps_requests_prompts_and_outputs() -> None:
     assert all(len(x.prompt) == 10 for x in p)
 
 
-# -- checks -----------------------------------------------------------------------------
+# -- checks --
 
 def fig(**over: object) -> dict:
     base = {"variant": "connector", "mode": "interleave", "requests": 4,
@@ -232,7 +232,7 @@ def test_metrics_parser_sums_engines_and_keeps_sources() -> None:
     assert d == {"a": 2.0, "b": 2.0}
 
 
-# -- settings ---------------------------------------------------------------------------
+# -- settings --
 
 def test_settings_take_cli_over_profile_over_size(tmp_path: Path) -> None:
     prof_path = tmp_path / "p.toml"

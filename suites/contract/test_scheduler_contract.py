@@ -1,5 +1,6 @@
-"""contract (scheduler side): the connector keeps the contract vLLM's V1 scheduler
-relies on, driven through vLLM's own ``Scheduler`` on CPU.
+"""contract (scheduler side): the connector keeps the V1 scheduler's contract.
+
+Driven through vLLM's own ``Scheduler`` on CPU.
 
 Each test builds a rig (config, real scheduler, the connector's worker side on CPU
 where the profile allows it, else a transfer-acknowledging stand-in), acts, and
@@ -187,7 +188,7 @@ def test_prefix_sharing_sequences_never_overmatch(rig_factory, block_size,
 
 def _common(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

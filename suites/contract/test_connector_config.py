@@ -1,0 +1,90 @@
+"""contract (configuration): a bad kv_transfer_config fails at creation, named.
+
+vLLM's factory creates the connector; the failure message names what is wrong.
+
+Required keys come from the profile (``connector.required_extra_config_keys``);
+type and sign checks apply to the keys it lists in ``connector.size_keys`` (byte
+sizes the connector must validate; vLLM's own OffloadingConnector checks only the
+presence of ``cpu_bytes_to_use``, so its profile lists none).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from fixtures import contract as C
+
+pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
+
+
+def _create(profile, scratch, ktc) -> str:
+    """Create the scheduler-side connector through vLLM; return the error ('' = ok)."""
+    try:
+        rig = C.make_rig(profile, scratch, kv_transfer_config=ktc, real_worker=False)
+    except Exception as exc:  # noqa: BLE001 - any creation failure is the answer
+        return f"{type(exc).__name__}: {exc}"
+    if rig.scheduler.connector is not None and hasattr(rig.scheduler.connector,
+                                                       "shutdown"):
+        rig.scheduler.connector.shutdown()
+    return ""
+
+
+def _keys(section_key: str) -> list:
+    from fixtures.session import state
+
+    return state().profile["connector"][section_key] or [None]
+
+
+def _need(key) -> None:
+    if key is None:
+        pytest.skip("the profile lists no such keys (connector."
+                    "required_extra_config_keys / connector.size_keys); nothing to "
+                    "check")
+
+
+@pytest.mark.parametrize("key", _keys("required_extra_config_keys"))
+def test_missing_required_key_fails_at_creation_naming_it(
+        contract_profile, contract_scratch, key) -> None:
+    _need(key)
+    ktc = copy.deepcopy(contract_profile.kv_transfer_config())
+    ktc["kv_connector_extra_config"].pop(key, None)
+    err = _create(contract_profile, contract_scratch, ktc)
+    assert err, (f"the connector was created without the required extra-config key "
+                 f"{key!r}: it accepted a missing {key} instead of failing at "
+                 "creation. Validate required keys in the connector's __init__")
+    assert key in err, (f"creating the connector without {key!r} failed, but the "
+                        f"message does not name the key: {err[:300]}")
+
+
+@pytest.mark.parametrize("bad", ["not-a-number", -1], ids=["wrong_type", "negative"])
+@pytest.mark.parametrize("key", _keys("size_keys"))
+def test_bad_size_value_fails_at_creation_naming_it(
+        contract_profile, contract_scratch, key, bad) -> None:
+    _need(key)
+    ktc = copy.deepcopy(contract_profile.kv_transfer_config())
+    ktc["kv_connector_extra_config"][key] = bad
+    err = _create(contract_profile, contract_scratch, ktc)
+    assert err, (f"the connector was created with {key}={bad!r}: it accepted an "
+                 "invalid size instead of failing at creation")
+    assert key in err, (f"creating the connector with {key}={bad!r} failed, but "
+                        f"the message does not name the key: {err[:300]}")
+
+
+def test_wrong_class_name_fails_naming_it(contract_profile, contract_scratch) -> None:
+    ktc = copy.deepcopy(contract_profile.kv_transfer_config())
+    ktc["kv_connector"] = "TvcNoSuchConnectorClass"
+    err = _create(contract_profile, contract_scratch, ktc)
+    assert err and "TvcNoSuchConnectorClass" in err, (
+        f"a wrong kv_connector class name gave {err[:300]!r}; expected a failure "
+        "naming 'TvcNoSuchConnectorClass'")
+
+
+def test_wrong_module_path_fails_naming_it(contract_profile, contract_scratch) -> None:
+    ktc = copy.deepcopy(contract_profile.kv_transfer_config())
+    ktc["kv_connector_module_path"] = "tvc_no_such_module.connector"
+    err = _create(contract_profile, contract_scratch, ktc)
+    assert err and "tvc_no_such_module" in err, (
+        f"a wrong kv_connector_module_path gave {err[:300]!r}; expected a failure "
+        "naming 'tvc_no_such_module'")

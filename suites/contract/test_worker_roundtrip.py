@@ -1,0 +1,85 @@
+"""contract (worker side): saved KV loads back bit-identically, nothing else moves.
+
+Loaded into the right blocks and layers; no other block or layer changes.
+
+KV caches are allocated in the layout the installed vLLM uses for FlashAttention
+(``get_kv_cache_shape`` + ``get_kv_cache_stride_order`` under the connector's
+required layout). The model's attention is replaced by writing a known pattern
+(a function of layer, position and token id) into the scheduled tokens' slots;
+``save_kv_layer`` per layer and ``wait_for_save`` store it; all caches are then
+zeroed, vLLM's local prefix cache is dropped, and the same prompt is replayed:
+``start_load_kv`` / ``wait_for_layer_load`` must restore exactly the hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fixtures import contract as C
+
+pytestmark = [pytest.mark.contract]
+
+MATRIX = list(itertools.product((16, 32), (1, 2, 8), (64, 128),
+                                ("float16", "bfloat16")))
+DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu"),
+           pytest.param("cuda", marks=pytest.mark.hw_gpu, id="cuda")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "head_size", "dtype"), MATRIX,
+                         ids=[f"B{b}-H{h}-D{d}-{t}" for b, h, d, t in MATRIX])
+def test_loaded_kv_is_bit_identical_and_nothing_else_changes(
+        rig_factory, contract_profile, device, block_size, num_kv_heads, head_size,
+        dtype) -> None:
+    import torch
+
+    if device not in contract_profile["connector"]["worker_devices"]:
+        if device == "cpu":
+            pytest.skip(f"profile {contract_profile.name}: the connector's worker side "
+                        "needs CUDA (connector.worker_devices lacks cpu); this case "
+                        "runs as the [cuda] variant on a GPU host")
+        pytest.skip(f"profile {contract_profile.name} declares worker_devices "
+                    f"{contract_profile['connector']['worker_devices']} without cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        from fixtures.session import missing_hardware
+        missing_hardware("gpu", "torch cannot see a CUDA device for the KV caches.")
+    rig = rig_factory(device=device, real_worker=True, block_size=block_size,
+                      num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                      num_blocks=64)
+    w = rig.worker
+    n = 4 * block_size + block_size // 2  # 4.5 blocks: whole blocks + a tail
+    first = rig.request(n)
+    rig.driver.run(first)
+    rig.forget_local_cache()
+    w.zero()
+    second = rig.request(n, shared_prefix=first.prompt_token_ids)
+    rig.driver.run(second)
+    local, matched, _ = C.external_hit(rig.driver, second)
+    assert matched > 0, (
+        f"replaying a stored {n}-token prompt matched 0 tokens; the worker-side "
+        "round trip needs a hit (check the scheduler-side tests first)")
+    assert w.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
+        f"request {second.request_id} started computing at token "
+        f"{w.loaded.get(second.request_id)} although {matched} tokens were matched")
+    C.assert_loaded_kv_bit_identical(w)
+    # Nothing outside the replayed request's blocks changed (caches were zeroed
+    # before the replay; the request itself wrote only its own blocks).
+    own = set(w.block_table[second.request_id])
+    for name, kv in w.kv_caches.items():
+        nb = kv.shape[0] if kv.dim() == 4 else kv.shape[1]
+        others = torch.tensor(sorted(set(range(nb)) - own), dtype=torch.long,
+                              device=kv.device)
+        stray = (kv[others] if kv.dim() == 4 else kv[:, others]).ne(0)
+        if bool(stray.any()):
+            idx = stray.reshape(stray.shape[0], -1).any(dim=1) if kv.dim() == 4 \
+                else stray.transpose(0, 1).reshape(len(others), -1).any(dim=1)
+            bad = others[idx.nonzero()[0]].item()
+            pytest.fail(f"layer {name}: block {bad}, which the replayed request does "
+                        "not own, changed during the load — the connector writes "
+                        "into the wrong block", pytrace=False)
+    # Within its own blocks, every prompt token holds the pattern, in every layer.
+    msg = w.verify_range(second.request_id, 0, n)
+    assert not msg, f"after the replay: {msg}"
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)

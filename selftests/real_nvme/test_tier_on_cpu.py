@@ -24,7 +24,7 @@ def cpu_tier(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(tier, "CONCURRENT_SPAN", 1 << 20)
     monkeypatch.setattr(tier, "CROSS_PROCESS_BYTES", (1 << 20) + 17)
     spec = StoreSpec("fixtures.store:open_posix_store", str(tmp_path / "s" / "store"),
-                     48 << 20, {}, str(tmp_path / "s"))
+                     80 << 20, {}, str(tmp_path / "s"))
     store = open_store(spec)
     props: dict = {}
     yield store, spec, lambda k, v: props.__setitem__(k, v), props

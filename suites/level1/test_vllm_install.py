@@ -40,7 +40,7 @@ def test_vllm_imports(vllm_module, record_property) -> None:
 
     record_property("vllm_version", vllm_module.__version__)
     record_property("vllm_file", vllm_module.__file__)
-    record_property("torch_version", torch.__version__)
+    record_property("torch_version", str(torch.__version__))  # plain str for xdist
     record_property("torch_cuda", str(torch.version.cuda))
     record_property("cuda_available", str(torch.cuda.is_available()))
     assert vllm_module.__version__ == md.version("vllm"), (

@@ -1,0 +1,148 @@
+"""Strict mode (``--require``) and the run reports (junit.xml + summary.json).
+
+Two suite runs against the real installed vLLM are shared by all tests here: a serial
+one in strict mode (``--require gpu``; this box has no GPU) and one with ``-n 2``
+without it. Both select passing, skipping and GPU tests so every outcome appears.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from selftests.conftest import REPO_ROOT, SuiteRun, run_suite
+
+ARGS = ["suites/level1/test_vllm_install.py",
+        "suites/level1/test_compiled_extensions.py",
+        "-k", "vllm_imports or torch_matches or source_tree or extensions_load"]
+GPU_TEST = "test_compiled_extensions_load"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, SuiteRun]:
+    base = tmp_path_factory.mktemp("reports")
+    try:
+        import xdist  # noqa: F401
+        xdist_args = ["-n", "2"]
+    except ImportError:
+        xdist_args = []
+    cases = {"strict": [*ARGS, "--require", "gpu"], "xdist": [*ARGS, *xdist_args]}
+    env = {"VLLM_SOURCE": None}  # the source-tree checks skip: a third outcome
+
+    def one(case: str) -> SuiteRun:
+        return run_suite(cases[case], base / f"report-{case}", env=env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out = dict(zip(cases, pool.map(one, cases), strict=True))
+    if not xdist_args:
+        pytest.skip("pytest-xdist is not installed: pip install pytest-xdist")
+    return out
+
+
+def _no_gpu(run: SuiteRun) -> None:
+    if run.summary["hardware"]["levels"]["gpu"]:
+        pytest.skip("this box has a GPU: strict mode has nothing to turn into failures")
+
+
+def test_strict_mode_turns_gpu_skip_into_failure(runs) -> None:
+    run = runs["strict"]
+    _no_gpu(run)
+    t = run.test(GPU_TEST)
+    assert t["outcome"] in ("failed", "error"), run.tail()
+    assert "strict mode (--require gpu): no CUDA GPU" in t["message"]
+    assert "Fix: run this tier on a GPU host" in t["message"]
+    assert run.summary["run"]["require"] == ["gpu"]
+    assert run.rc == 1
+
+
+def test_without_strict_mode_the_gpu_test_skips(runs) -> None:
+    run = runs["xdist"]
+    _no_gpu(run)
+    t = run.test(GPU_TEST)
+    assert t["outcome"] == "skipped"
+    assert t["message"].startswith("no CUDA GPU") and "strict" not in t["message"]
+    assert run.rc == 0
+
+
+def test_strict_mode_from_environment(tmp_path) -> None:
+    run = run_suite(["suites/level2/test_torch_compile.py", "-k", "cuda"],
+                    tmp_path / "r", env={"TVC_REQUIRE": "gpu"})
+    _no_gpu(run)
+    t = run.test("test_torch_compile_cuda_matches_eager")
+    assert t["outcome"] in ("failed", "error")
+    assert "strict mode (--require gpu)" in t["message"]
+
+
+def test_unknown_required_level_is_a_usage_error(tmp_path) -> None:
+    run = run_suite(["suites/level1/test_vllm_install.py", "--require", "gpu,bogus"],
+                    tmp_path / "r")
+    assert run.rc == 4 and run.summary is None
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert lines == ["ERROR: --require: unknown hardware level 'bogus' "
+                     "(known: gpu, nvme, all)"]
+
+
+def _junit_counts(run: SuiteRun) -> dict[str, int]:
+    suite = run.junit().find("testsuite")
+    tests, failures, errors, skipped = (int(suite.get(k)) for k in
+                                        ("tests", "failures", "errors", "skipped"))
+    return {"passed": tests - failures - errors - skipped, "failed": failures,
+            "error": errors, "skipped": skipped}
+
+
+@pytest.mark.parametrize("case", ["strict", "xdist"])
+def test_summary_counts_equal_junit_counts(runs, case: str) -> None:
+    run = runs[case]
+    assert run.summary["counts"] == _junit_counts(run), run.tail()
+    assert sum(run.summary["counts"].values()) == len(run.summary["tests"]) == 5
+    assert run.summary["run"]["exit_status"] == run.rc
+
+
+@pytest.mark.parametrize("case", ["strict", "xdist"])
+def test_junit_suite_properties_carry_profile_versions_hardware(runs, case) -> None:
+    run = runs[case]
+    props = {p.get("name"): p.get("value") for p in
+             run.junit().find("testsuite").find("properties")}
+    assert props["profile.name"] == "example"
+    assert props["versions.vllm"] == md.version("vllm") == run.summary["versions"][
+        "vllm"]
+    assert props["versions.torch"] == md.version("torch")
+    assert props["hardware.gpu_count"] == str(run.summary["hardware"]["gpu_count"])
+    assert json.loads(props["run.require"]) == run.summary["run"]["require"]
+
+
+@pytest.mark.parametrize("case", ["strict", "xdist"])
+def test_per_test_properties_in_both_reports(runs, case) -> None:
+    run = runs[case]
+    case_el = next(tc for tc in run.junit().iter("testcase")
+                   if tc.get("name") == "test_vllm_imports")
+    junit_props = {p.get("name"): p.get("value") for p in case_el.iter("property")}
+    summary_props = run.test("test_vllm_imports")["properties"]
+    assert junit_props["torch_version"] == summary_props["torch_version"] == (
+        md.version("torch"))
+    assert junit_props["vllm_version"] == summary_props["vllm_version"] == (
+        md.version("vllm"))
+    assert run.test("test_vllm_imports")["tiers"] == ["level1"]
+
+
+def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
+    """Without --report-dir the run writes reports/<time>-<profile>/ (no flags)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TVC_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/level1/test_vllm_install.py", "-k",
+         "source_tree", "-p", "no:cacheprovider"], cwd=REPO_ROOT, capture_output=True,
+        text=True, check=False, env={**env, "VLLM_SOURCE": ""})
+    # the header names the folder; the last line names the files
+    line = [x for x in proc.stdout.splitlines() if x.startswith("reports: ")][-1]
+    junit = line.split()[1]
+    assert junit.startswith(str(REPO_ROOT / "reports") + "/")
+    assert junit.endswith("-example/junit.xml")
+    run_dir = REPO_ROOT / "reports" / junit.split("/")[-2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["counts"]["skipped"] == 2

@@ -10,6 +10,12 @@ as ``FAKE_VLLM_MODE`` says:
 - ``hang``: never answers /health.
 - ``ignore-term``: like ``healthy`` but ignores SIGTERM (teardown must SIGKILL).
 
+Without ``FAKE_VLLM_METRICS`` it emulates a connector and serves live counters: a
+prompt seen before is a GPU prefix-cache hit until POST /reset_prefix_cache, then an
+external hit of ``(len - 2) // 16 * 16`` tokens (ExampleConnector's rule at B = 16),
+logged as "External Cache Hit!". ``FAKE_VLLM_CONNECTOR``: ``good`` (default),
+``corrupt`` (outputs served from the store differ), ``forgetful`` (stores nothing).
+
 Always starts a grandchild (``sleep``) in its process group and writes
 ``{"server": pid, "child": pid}`` to ``FAKE_VLLM_PIDS``; writes argv and the
 environment it saw to ``FAKE_VLLM_ARGV`` (JSON) when set.
@@ -47,7 +53,55 @@ if mode == "hang":
         time.sleep(1)
 time.sleep(float(os.environ.get("FAKE_VLLM_DELAY_S", "0")))
 METRICS = open(os.environ["FAKE_VLLM_METRICS"]).read() if os.environ.get(
-    "FAKE_VLLM_METRICS") else "# no metrics\n"
+    "FAKE_VLLM_METRICS") else None
+CONNECTOR = os.environ.get("FAKE_VLLM_CONNECTOR", "good")
+B = 16
+STORE, LOCAL = set(), set()
+C = {"ext": 0, "prefix": 0, "src_ext": 0, "src_local": 0, "src_compute": 0, "ok": 0}
+
+
+def live_metrics():
+    lab = f'engine="0",model_name="{model}"'
+    out = []
+    for name, key in (("vllm:external_prefix_cache_hits", "ext"),
+                      ("vllm:prefix_cache_hits", "prefix")):
+        out += [f"# TYPE {name} counter", f"{name}_total{{{lab}}} {C[key]}.0"]
+    out.append("# TYPE vllm:prompt_tokens_by_source counter")
+    for src, key in (("external_kv_transfer", "src_ext"),
+                     ("local_cache_hit", "src_local"),
+                     ("local_compute", "src_compute")):
+        out.append(f'vllm:prompt_tokens_by_source_total{{{lab},source="{src}"}} '
+                   f"{C[key]}.0")
+    out += ["# TYPE vllm:request_success counter",
+            f'vllm:request_success_total{{{lab},finished_reason="length"}} '
+            f"{C['ok']}.0",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{B}",engine="0"}} 1.0']
+    return "\n".join(out) + "\n"
+
+
+def account(prompt):
+    """Update the counters for one request; True when served from the store."""
+    key, n = tuple(prompt), len(prompt)
+    from_store = False
+    if key in LOCAL:
+        hit = (n - 1) // B * B
+        C["prefix"] += hit
+        C["src_local"] += hit
+        C["src_compute"] += n - hit
+    elif key in STORE:
+        hit = (n - 2) // B * B
+        C["ext"] += hit
+        C["src_ext"] += hit
+        C["src_compute"] += n - hit
+        from_store = True
+        print("INFO External Cache Hit!", flush=True)
+    else:
+        C["src_compute"] += n
+    if CONNECTOR != "forgetful":
+        STORE.add(key)
+    LOCAL.add(key)
+    return from_store
 
 
 def fake_tokens(prompt, n):
@@ -70,7 +124,8 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200, "")
         elif self.path == "/metrics":
-            self._send(200, METRICS, "text/plain; version=0.0.4")
+            self._send(200, METRICS if METRICS is not None else live_metrics(),
+                       "text/plain; version=0.0.4")
         elif self.path == "/v1/models":
             self._send(200, json.dumps({"data": [{"id": model}]}))
         else:
@@ -80,13 +135,17 @@ class H(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))
                           or b"{}")
         if self.path.startswith("/reset_prefix_cache"):
+            LOCAL.clear()
             self._send(200, json.dumps({"success": True}))
             return
         if self.path != "/v1/completions":
             self._send(404, "{}")
             return
         prompt, n = body["prompt"], body.get("max_tokens", 16)
+        from_store = account(prompt) if isinstance(prompt, list) else False
         toks = fake_tokens(prompt, n)
+        if from_store and CONNECTOR == "corrupt":
+            toks = [t + 1 for t in toks]
         top = [{f"token_id:{t}": -0.5, f"token_id:{t + 1}": -1.5} for t in toks]
 
         def choice(ids, tops, first):
@@ -97,6 +156,7 @@ class H(BaseHTTPRequestHandler):
                                  "token_logprobs": [-0.5] * len(ids),
                                  "top_logprobs": tops}}
         if not body.get("stream"):
+            C["ok"] += 1
             self._send(200, json.dumps({"choices": [choice(toks, top, True)],
                                         "usage": {"prompt_tokens": len(prompt)}}))
             return
@@ -110,6 +170,8 @@ class H(BaseHTTPRequestHandler):
             time.sleep(0.01)
         usage = {"choices": [], "usage": {"prompt_tokens": len(prompt)}}
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        C["ok"] += 1
 
 
 print("INFO Application startup complete.", flush=True)

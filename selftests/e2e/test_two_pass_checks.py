@@ -1,0 +1,107 @@
+"""Self-tests of fixtures/two_pass.py: the acceptance checks pass on a good target and
+fail, for the right reason, on known-bad ones (a fake server emulating a connector,
+and hand-made results)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import two_pass as tp
+from fixtures.vllm_server import Completion, MetricsSnapshot, VllmServer
+
+pytestmark = pytest.mark.hw_any
+
+FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+EXAMPLE_RULE = 592  # (600 - 2) // 16 * 16, the fake's hit rule at B = 16
+PATTERN = "External Cache Hit!"
+
+
+def fake(tmp_path: Path, connector: str) -> VllmServer:
+    return VllmServer(tmp_path / "model", launcher=[sys.executable, str(FAKE)],
+                      log_path=tmp_path / "server.log", startup_timeout_s=30,
+                      stop_timeout_s=5, env={"FAKE_VLLM_CONNECTOR": connector})
+
+
+def prompt(n: int = tp.ACCEPTANCE_PROMPT_TOKENS) -> list[int]:
+    return tp.make_prompt(random.Random(n), n, 3, 512)
+
+
+def test_good_connector_passes_every_check(tmp_path):
+    with fake(tmp_path, "good") as srv:
+        r = tp.run_two_passes(srv, prompt(), hit_log_pattern=PATTERN)
+        tp.check_acceptance(r, EXAMPLE_RULE, PATTERN, srv.log_path)
+    props = r.properties()
+    assert props["external_hits_pass2"] == EXAMPLE_RULE
+    assert props["external_hits_pass1"] == 0 and props["prefix_cache_hits_pass2"] == 0
+    assert props["ttft_pass1_s"] > 0 and props["ttft_pass2_s"] > 0
+
+
+def test_corrupting_connector_fails_on_output_equality(tmp_path):
+    with fake(tmp_path, "corrupt") as srv:
+        r = tp.run_two_passes(srv, prompt(), hit_log_pattern=PATTERN)
+    with pytest.raises(AssertionError,
+                       match="output token ids differ between pass 1 and pass 2 at "
+                             "position 0"):
+        tp.check_acceptance(r, EXAMPLE_RULE, PATTERN, srv.log_path)
+
+
+def test_forgetful_connector_fails_on_the_hit_count(tmp_path):
+    with fake(tmp_path, "forgetful") as srv:
+        r = tp.run_two_passes(srv, prompt())
+    with pytest.raises(AssertionError, match=r"expected 592 tokens \(600-token "
+                       r"prompt, block 16\), saw 0 .* stored nothing"):
+        tp.check_acceptance(r, EXAMPLE_RULE, "", srv.log_path)
+
+
+def test_missing_reset_shows_as_gpu_prefix_cache_hits(tmp_path):
+    with fake(tmp_path, "good") as srv:
+        p = prompt()
+        p1 = tp.run_pass(srv, p)
+        p2 = tp.run_pass(srv, p)  # no reset in between
+    r = tp.TwoPassResult(p, 16, p1, p2)
+    with pytest.raises(AssertionError, match="GPU prefix-cache hits in pass 2: "
+                       "expected 0 after POST /reset_prefix_cache, saw 592"):
+        tp.check_no_prefix_cache_hits(r)
+
+
+def test_wrong_hit_rule_and_missing_log_line_are_named(tmp_path):
+    with fake(tmp_path, "good") as srv:
+        r = tp.run_two_passes(srv, prompt(63))
+    assert r.pass2.deltas["external_hits"] == 48  # (63 - 2) // 16 * 16
+    with pytest.raises(AssertionError, match="saw 48 .* hit rule"):
+        tp.check_external_hits(r, 32)
+    with pytest.raises(AssertionError, match="expected a line matching 'Tutti hit'"):
+        tp.check_hit_logged(r, "Tutti hit", srv.log_path)
+
+
+def result(lp1: dict[int, float], lp2: dict[int, float]) -> tp.TwoPassResult:
+    def comp(lp: dict[int, float]) -> Completion:
+        top = max(lp, key=lp.__getitem__)
+        return Completion([top], "", [lp[top]], [lp])
+
+    def pr(c: Completion) -> tp.PassResult:
+        return tp.PassResult(c, {k: 0.0 for k in tp.COUNTERS}, "", MetricsSnapshot(()))
+
+    return tp.TwoPassResult([1] * 64, 16, pr(comp(lp1)), pr(comp(lp2)))
+
+
+def test_logprob_drift_beyond_tolerance_fails():
+    r = result({7: -0.10, 8: -2.0}, {7: -0.35, 8: -2.0})
+    tp.check_same_output_tokens(r)
+    with pytest.raises(AssertionError, match=r"logprob of token 7 at position 0: "
+                       r"pass 1 -0.1000, pass 2 -0.3500, \|diff\| 0.2500 > "
+                       r"tolerance 0.1"):
+        tp.check_logprobs_agree(r)
+
+
+def test_logprob_drift_within_tolerance_passes():
+    tp.check_logprobs_agree(result({7: -0.10, 8: -2.0}, {7: -0.12, 8: -1.97}))
+
+
+def test_disjoint_top_k_fails():
+    with pytest.raises(AssertionError, match="do not share their top tokens"):
+        tp.check_logprobs_agree(result({7: -0.1, 8: -2.0}, {9: -0.1, 10: -2.0}))

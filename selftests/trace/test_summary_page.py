@@ -1,0 +1,136 @@
+"""The summary page renders from a run folder: tiers, reasons, trace table, charts."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import summary_page as sp
+from fixtures import trace as tr
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_run(mode: str, variant: str, base_ms: float, rng: random.Random
+             ) -> dict:
+    results = []
+    for i in range(30):
+        ttft = (base_ms + rng.expovariate(1 / (base_ms * 0.3))) / 1000
+        r = tr.RequestResult(i, ok=True, prompt_tokens=700, output_tokens=32,
+                             start_s=i * 0.1, ttft_s=ttft, e2e_s=ttft + 31 * 0.004,
+                             tpot_s=0.004)
+        results.append(r)
+    before = {tr.METRIC_EXTERNAL_HITS: 0.0, tr.METRIC_LOCAL_HITS: 0.0}
+    after = {tr.METRIC_EXTERNAL_HITS: 18000.0 if variant == "connector" else 0.0,
+             tr.METRIC_LOCAL_HITS: 2100.0}
+    return tr.RunResult(mode, variant, 3.2, results, before, after).figures()
+
+
+def make_run_dir(root: Path) -> Path:
+    rng = random.Random(3)
+    run = root / "20261130-120000-example"
+    (run / "trace").mkdir(parents=True)
+    figs = {}
+    for mode in tr.MODES:
+        for variant, base in (("connector", 22.0), ("baseline", 61.0)):
+            f = fake_run(mode, variant, base, rng)
+            figs[variant, mode] = f
+            tr.write_json(run / "trace" / f"{variant}-{mode}.json", f)
+    gain = {"gain": {m: tr.ttft_gain(figs["baseline", m], figs["connector", m])
+                     for m in ("interleave", "stream")}}
+    tr.write_json(run / "trace" / "ttft.json", gain)
+
+    def t(nodeid: str, outcome: str, tier: str, msg: str = "", **props: object
+          ) -> dict:
+        return {"nodeid": nodeid, "outcome": outcome, "duration_s": 0.1,
+                "tiers": [tier], "properties": props, "message": msg}
+
+    gpu_skip = ("no CUDA GPU: nvidia-smi not found on PATH. Fix: run this tier on a "
+                "GPU host.")
+    summary = {
+        "run": {"started_utc": "2026-11-30T12:00:00Z", "args": "-m 'not contract'",
+                "exit_status": 1, "duration_s": 412.5},
+        "profile": {"name": "example", "connector": "ExampleConnector"},
+        "versions": {"vllm": "0.26.0", "vllm_location": "/root/vllm-bundle/site/vllm",
+                     "torch": "2.11.0+cu130", "python": "3.12.3"},
+        "hardware": {"gpus": [{"name": "NVIDIA H200"}], "levels": {
+            "any": True, "gpu": True, "nvme": False}},
+        "counts": {"passed": 5, "failed": 1, "skipped": 3, "error": 0},
+        "tests": [
+            t("suites/level1/test_vllm_install.py::test_vllm_imports", "passed",
+              "level1"),
+            t("suites/level1/test_vllm_install.py::test_torch_matches_vllm_pin",
+              "failed", "level1", "torch 2.13.0 installed, vLLM pins 2.11.0: "
+              "reinstall torch==2.11.0"),
+            t("suites/e2e/test_two_pass.py::test_second_pass_hits", "passed", "e2e"),
+            t("suites/bandwidth/test_store.py::test_read[1]", "passed", "bandwidth",
+              read_gbps=6.4, threshold_gbps=7.0),
+            t("suites/bandwidth/test_store.py::test_write[1]", "passed", "bandwidth",
+              write_gbps=7.9),
+            t("suites/real_nvme/test_pool.py::test_a", "skipped", "real_nvme",
+              gpu_skip),
+            t("suites/real_nvme/test_pool.py::test_b", "skipped", "real_nvme",
+              gpu_skip),
+            t("suites/trace/test_replay_modes.py::test_populate[connector]",
+              "passed", "trace"),
+            t("selftests/x.py::test_y", "skipped", "", "not on this box"),
+        ],
+    }
+    summary["tests"][-1]["tiers"] = []
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = make_run_dir(tmp_path)
+    out = sp.write_page(run)
+    assert set(out) == {"markdown", "html", "ttft", "bandwidth"}
+    md = out["markdown"].read_text()
+    assert md.startswith("# Conformance run: FAIL")
+    assert "| level1 | 1 | 1 | 0 | 0 |" in md
+    assert "| real_nvme | 0 | 0 | 0 | 2 |" in md
+    assert "| other | 0 | 0 | 0 | 1 |" in md
+    assert "`test_torch_matches_vllm_pin`: torch 2.13.0 installed" in md
+    assert "`test_a` (x2): no CUDA GPU" in md  # equal reasons merged
+    assert "interleave: TTFT p50" in md and "![TTFT CDF](charts/ttft_cdf.png)" in md
+    assert "| test_read[1] | read_gbps | 6.40 |" in md
+    page = out["html"].read_text()
+    assert page.count("data:image/png;base64,") == 2
+    assert "<span class='badge FAIL'>FAIL</span>" in page
+    for png in (out["ttft"], out["bandwidth"]):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bw = sp.bandwidth_figures(json.loads((run / "summary.json").read_text()))
+    assert [(b["name"], b["limit"]) for b in bw] == [
+        ("read_gbps", False), ("threshold_gbps", True), ("write_gbps", False)]
+
+
+def test_page_without_trace_or_bandwidth_has_no_charts(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "run": {}, "counts": {"passed": 2}, "tests": [
+            {"nodeid": "a::t1", "outcome": "passed", "tiers": ["level1"]},
+            {"nodeid": "a::t2", "outcome": "passed", "tiers": ["level1"]}]}))
+    out = sp.write_page(run)
+    assert set(out) == {"markdown", "html"}
+    assert "# Conformance run: PASS" in out["markdown"].read_text()
+    assert not (run / "charts").exists()
+
+
+def test_cli_writes_the_page_and_refuses_a_folder_without_summary(tmp_path: Path
+                                                                  ) -> None:
+    run = make_run_dir(tmp_path)
+    ok = subprocess.run([sys.executable, "-m", "fixtures.summary_page", str(run)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "html: " in ok.stdout and (run / "summary.html").is_file()
+    bad = subprocess.run([sys.executable, "-m", "fixtures.summary_page",
+                          str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "no summary.json here" in bad.stderr

@@ -213,3 +213,37 @@ def test_factory_errors_are_readable(tmp_path):
         open_store(spec_for(tmp_path, factory="builtins:slice"))
     with pytest.raises(StoreError, match=r"builtins:dict\(path=.*failed: TypeError"):
         open_store(spec_for(tmp_path, factory="builtins:dict"))
+
+
+def _fake_kvikio(preferred: bool, gds: bool):
+    from types import SimpleNamespace
+
+    def drv_get(name):
+        if name != "is_gds_available":
+            raise KeyError(name)
+        return gds
+
+    return SimpleNamespace(
+        __version__="26.10.00",
+        defaults=SimpleNamespace(get=lambda k: SimpleNamespace(name="AUTO"),
+                                 is_compat_mode_preferred=lambda: preferred),
+        cufile_driver=SimpleNamespace(get=drv_get))
+
+
+def test_kvikio_path_is_compat_when_kvikio_prefers_compat():
+    from fixtures.store import kvikio_io_path
+
+    path, facts = kvikio_io_path(_fake_kvikio(preferred=True, gds=False))
+    assert path == "compat" and "kvikio compat mode" in facts["why"]
+    assert facts["compat_mode_setting"] == "AUTO"
+
+
+def test_kvikio_path_is_not_gds_without_the_nvidia_fs_driver(monkeypatch):
+    from fixtures import store as st
+
+    monkeypatch.setattr(st.Path, "exists", lambda self: False)
+    path, facts = st.kvikio_io_path(_fake_kvikio(preferred=False, gds=True))
+    assert path == "compat" and "without a usable nvidia-fs driver" in facts["why"]
+    monkeypatch.setattr(st.Path, "exists", lambda self: True)
+    path, _ = st.kvikio_io_path(_fake_kvikio(preferred=False, gds=True))
+    assert path == "gds"

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Run the suite's GPU tiers on the lab GPU host (offline; see README "GPU host").
+#   scripts/gpu/session.sh setup      unpack the vLLM bundle (parts in $STAGE), kvikio wheels
+#   scripts/gpu/session.sh tiers      level1+2, contract, e2e, store tiers (in parallel lanes)
+#   scripts/gpu/session.sh trace      trace tier for both reference profiles
+# Each pytest run writes its run folder under $RESULTS; everything is packed into
+# $OUT/results-<phase>.tgz (one file) and each run's last line is printed.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+STAGE=${STAGE:-/root/stage}
+RESULTS=${RESULTS:-/root/tvc-results}
+OUT=${OUT:-/tmp/tvc-out}
+mkdir -p "$RESULTS" "$OUT"
+export PYTHONPATH=/tmp/site:/root/vllm-bundle/site:$root HF_HUB_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+  LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+BUDGET_S=${BUDGET_S:-540}  # the device tool allows 600 s a command: stop runs before it
+
+pt() {  # pt NAME PYTEST-ARGS...: one pytest run, its own run folder and log
+  local name=$1; shift
+  local t0=$SECONDS left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "[$name] not run: ${left}s left"; return; fi
+  # SIGINT first: pytest tears its fixtures (servers) down and writes its reports
+  timeout --signal=INT --kill-after=20 "$left" \
+    python3 -m pytest -p no:cacheprovider --report-dir="$RESULTS/$name" -rA "$@" \
+    >"$RESULTS/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $((SECONDS - t0))s: $(grep -E '^=+ .*(passed|failed|skipped|error).* =+$' "$RESULTS/$name.log" | tail -1)"
+}
+
+build_profile() {  # a copy of the example profile with the build preflight on
+  sed -e 's/^name = "example"/name = "example-build"/' profiles/example.toml >"$RESULTS/example-build.toml"
+  printf '\n[build]\npreflight = true\nmin_free_gib = 20.0\n' >>"$RESULTS/example-build.toml"
+}
+
+case ${1:?phase: setup, tiers or trace} in
+  setup)
+    bash .bundle/unpack.sh "$STAGE" /root/vllm-bundle || exit 1
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        .whl/fallback/*.whl || exit 1
+    fi
+    python3 -c "import kvikio; print('kvikio', kvikio.__version__)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    ;;
+  tiers)
+    build_profile
+    (
+      pt level12 -m "level1 or level2" --require gpu
+      CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
+        pt build-preflight -m level1 -k build --profile "$RESULTS/example-build.toml"
+      pt contract-example -m contract --profile example --require gpu
+      pt contract-offload -m contract --profile cpu-offload --require gpu
+    ) &
+    (
+      pt e2e-example -m e2e --profile example --require gpu
+      pt e2e-offload -m e2e --profile cpu-offload --require gpu
+      pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
+    ) &
+    (
+      pt store -m "real_nvme or bandwidth" --profile lab-disk --require nvme
+    ) &
+    wait
+    ;;
+  trace)
+    pt trace-example -m trace --profile example --require gpu &
+    pt trace-offload -m trace --profile cpu-offload --require gpu &
+    wait
+    ;;
+  *) echo "unknown phase $1"; exit 2 ;;
+esac
+rm -rf "$RESULTS"/*/logs/*.tmp 2>/dev/null
+tar -czf "$OUT/results-$1.tgz" -C "$RESULTS" . && ls -la "$OUT"

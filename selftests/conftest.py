@@ -22,6 +22,7 @@ or through the ``suite_runner`` fixture, which picks a fresh report folder under
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -123,6 +124,27 @@ def run_suite(args: Sequence[str], report_dir: Path,
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return SuiteRun(rc=proc.returncode, stdout=proc.stdout + proc.stderr,
                     summary=summary, report_dir=Path(report_dir))
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """Under ``-n N``, send each self-test file whole to one worker.
+
+        Self-test modules share expensive module-scoped suite runs (each imports
+        vLLM or compiles with Inductor); xdist's default ``load`` scheduling spreads a
+        module over workers and repeats those runs on each (``selftests/foundation``
+        with ``-n 2``: 138 s with ``load``, 64 s file by file). An explicit
+        ``--dist`` other than ``load`` is respected.
+
+        Returns:
+            a ``LoadFileScheduling``, or None to keep xdist's choice.
+        """
+        if config.getoption("dist") != "load":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        return LoadFileScheduling(config, log)
 
 
 @pytest.fixture

@@ -19,9 +19,13 @@ INSTALL_TESTS = "suites/level1/test_vllm_install.py"
 EXT_TESTS = "suites/level1/test_compiled_extensions.py"
 
 
-def _index_fingerprint(tree: Path) -> tuple[int, str]:
+def _index_fingerprint(tree: Path) -> tuple[int, str, list[str]]:
+    """(index mtime in ns, index sha256, every path in the tree outside .git)."""
     index = tree / ".git" / "index"
-    return index.stat().st_mtime_ns, hashlib.sha256(index.read_bytes()).hexdigest()
+    files = sorted(str(p.relative_to(tree)) for p in tree.rglob("*")
+                   if ".git" not in p.relative_to(tree).parts)
+    return (index.stat().st_mtime_ns, hashlib.sha256(index.read_bytes()).hexdigest(),
+            files)
 
 
 def test_real_vllm_outside_configured_tree_fails(tmp_path: Path) -> None:

@@ -151,10 +151,20 @@ def test_probe_compile_failure_shows_nvccs_error(runs) -> None:
     assert "Fix: set CUDAHOSTCXX to a GCC >= 11.3" in msg
 
 
-def test_nvcc_against_cpu_torch_fails(runs) -> None:
+def test_nvcc_not_matching_torch_fails(runs) -> None:
+    """The fake nvcc says CUDA 12.1: a CPU torch, or any other CUDA, must fail."""
+    import torch
+
     msg = _failing(runs["old"], "test_nvcc_matches_torch_cuda")
-    assert "is a CPU build (torch.version.cuda is None)" in msg
-    assert "Fix: install vLLM's torch pin for CUDA" in msg
+    if torch.version.cuda is None:
+        assert "is a CPU build (torch.version.cuda is None)" in msg
+        assert "Fix: install vLLM's torch pin for CUDA" in msg
+    else:
+        want = ".".join(torch.version.cuda.split(".")[:2])
+        if want == "12.1":
+            pytest.skip("torch is built with CUDA 12.1, the fake nvcc's release")
+        assert f"is CUDA 12.1 but torch was built with CUDA {want}" in msg
+        assert f"Fix: point CUDA_HOME at a CUDA {want} toolkit" in msg
 
 
 def test_ignored_standard_flag_fails_the_probe(runs) -> None:

@@ -50,13 +50,16 @@ def fake_pkg(tmp_path_factory) -> Path:
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed: cannot build the fake extensions "
                     "(apt-get install gcc)")
+    inc = sysconfig.get_paths()["include"]
+    if not (Path(inc) / "Python.h").is_file():
+        pytest.skip(f"Python.h is not in {inc}: cannot build the good fake extension "
+                    "(install this Python's development headers)")
     root = tmp_path_factory.mktemp("ext")
     pkg = root / "tvcfakeext"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     src = root / "src"
     src.mkdir()
-    inc = sysconfig.get_paths()["include"]
     (src / "good.c").write_text(GOOD_EXT % ("_good_C", "_good_C"))
     _gcc("-shared", "-fPIC", f"-I{inc}", str(src / "good.c"), "-o",
          str(pkg / f"_good_C{SUFFIX}"))

@@ -50,7 +50,7 @@ case ${1:?phase: setup, tiers or trace} in
     (
       pt level12 -m "level1 or level2" --require gpu
       CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
-        pt build-preflight -m level1 -k build --profile "$RESULTS/example-build.toml"
+        pt build-preflight -m level1 -k build --profile="$RESULTS/example-build.toml"
       pt contract-example -m contract --profile example --require gpu
       pt contract-offload -m contract --profile cpu-offload --require gpu
     ) &

@@ -72,8 +72,13 @@ def test_two_pass_check_catches_a_connector_that_corrupts_loaded_kv(tmp_path):
     props = t["properties"]
     block = int(props.get("block_size", 16))
     expected = (int(props.get("prompt_tokens", 600)) - 2) // block * block
+    logs = sorted((tmp_path / "report").rglob("*.log"))
+    log_tail = "".join(
+        f"\n--- {p.name} (last 60 lines)\n" + "\n".join(
+            p.read_text(errors="replace").splitlines()[-60:]) for p in logs)
     assert props.get("external_hits_pass2") == expected, (
         f"the corrupting connector should still hit {expected} tokens in pass 2 "
-        f"(properties {props}); the run failed for another reason:\n{t['message']}")
+        f"(properties {props}); the run failed for another reason:\n{t['message']}"
+        f"{log_tail}")
     assert any(s in t["message"] for s in EQUALITY_FAILURE), (
         f"expected a failure on output/logprob equality, got: {t['message']}")

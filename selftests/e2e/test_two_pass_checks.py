@@ -105,3 +105,48 @@ def test_logprob_drift_within_tolerance_passes():
 def test_disjoint_top_k_fails():
     with pytest.raises(AssertionError, match="do not share their top tokens"):
         tp.check_logprobs_agree(result({7: -0.1, 8: -2.0}, {9: -0.1, 10: -2.0}))
+
+
+def sequences(tokens1, tokens2, lps1, lps2) -> tp.TwoPassResult:
+    """A two-pass result from explicit token ids and per-position top-k logprobs."""
+    def pr(tokens, lps) -> tp.PassResult:
+        chosen = [lp[t] for t, lp in zip(tokens, lps, strict=True)]
+        c = Completion(list(tokens), "", chosen, list(lps))
+        return tp.PassResult(c, {k: 0.0 for k in tp.COUNTERS}, "", MetricsSnapshot(()))
+
+    return tp.TwoPassResult([1] * 64, 16, pr(tokens1, lps1), pr(tokens2, lps2))
+
+
+def test_divergence_at_an_exact_tie_is_a_tie_break_not_a_failure():
+    # position 1: tokens 5 and 6 tie in pass 1 (as seen on the GPU host: gap 0.0000)
+    lp1 = [{3: -0.1, 4: -3.0}, {5: -0.69, 6: -0.69}, {9: -0.2, 8: -2.0}]
+    lp2 = [{3: -0.1, 4: -3.0}, {6: -0.69, 5: -0.69}, {1: -0.1, 2: -4.0}]
+    r = sequences([3, 5, 9], [3, 6, 1], lp1, lp2)
+    assert tp.comparable_positions(r) == 2
+    tp.check_same_output_tokens(r)
+    tp.check_logprobs_agree(r)  # position 2 follows different histories: skipped
+
+
+def test_divergence_without_a_tie_still_fails():
+    lp1 = [{3: -0.1, 4: -3.0}, {5: -0.1, 6: -2.5}]
+    lp2 = [{3: -0.1, 4: -3.0}, {6: -0.1, 5: -2.5}]
+    r = sequences([3, 5], [3, 6], lp1, lp2)
+    with pytest.raises(AssertionError, match=r"differ .* at position 1: .* gap there: "
+                       r"2.4000 nats, not a tie"):
+        tp.check_same_output_tokens(r)
+
+
+def test_logprobs_before_a_tie_break_are_still_compared():
+    lp1 = [{3: -0.1, 4: -3.0}, {5: -0.69, 6: -0.69}]
+    lp2 = [{3: -0.6, 4: -1.0}, {6: -0.69, 5: -0.69}]
+    r = sequences([3, 5], [3, 6], lp1, lp2)
+    with pytest.raises(AssertionError, match="logprob of token 3 at position 0"):
+        tp.check_logprobs_agree(r)
+
+
+def test_hit_log_is_not_required_when_the_rule_expects_no_hit(tmp_path):
+    with fake(tmp_path, "good") as srv:
+        r = tp.run_two_passes(srv, prompt(63))
+    tp.check_hit_logged(r, "Tutti hit", srv.log_path, expected=0)
+    with pytest.raises(AssertionError, match="expected a line matching"):
+        tp.check_hit_logged(r, "Tutti hit", srv.log_path, expected=48)

@@ -35,7 +35,7 @@ build_profile() {  # a copy of the example profile with the build preflight on
   printf '\n[build]\npreflight = true\nmin_free_gib = 20.0\n' >>"$RESULTS/example-build.toml"
 }
 
-case ${1:?phase: setup, tiers or trace} in
+case ${1:?phase: setup, tiers, trace or rerun} in
   setup)
     bash .bundle/unpack.sh "$STAGE" /root/vllm-bundle || exit 1
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -65,6 +65,18 @@ case ${1:?phase: setup, tiers or trace} in
     wait
     ;;
   trace)
+    pt trace-example -m trace --profile example --require gpu &
+    pt trace-offload -m trace --profile cpu-offload --require gpu &
+    wait
+    ;;
+  rerun)  # build preflight, e2e (example) and its negative control, beside the trace
+    build_profile
+    (
+      CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
+        pt build-preflight -m level1 -k build --profile="$RESULTS/example-build.toml"
+      pt e2e-example -m e2e --profile example --require gpu
+      pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
+    ) &
     pt trace-example -m trace --profile example --require gpu &
     pt trace-offload -m trace --profile cpu-offload --require gpu &
     wait

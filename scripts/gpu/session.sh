@@ -81,6 +81,11 @@ case ${1:?phase: setup, tiers, trace or rerun} in
     pt trace-offload -m trace --profile cpu-offload --require gpu &
     wait
     ;;
+  final)  # one server at a time: concurrent vLLM starts race for GPU memory
+    pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
+    pt trace-example -m trace --profile example --require gpu
+    pt trace-offload -m trace --profile cpu-offload --require gpu
+    ;;
   *) echo "unknown phase $1"; exit 2 ;;
 esac
 rm -rf "$RESULTS"/*/logs/*.tmp 2>/dev/null

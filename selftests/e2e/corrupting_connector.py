@@ -37,6 +37,6 @@ class CorruptingConnector(ExampleConnector):
                 # kv is [num_blocks, 2, block_size, ...]
                 blocks, offsets = slots // self._block_size, slots % self._block_size
                 loaded = kv[blocks, :, offsets]
-                scale = loaded.float().std().clamp(min=1e-3)
+                scale = float(loaded.float().std().clamp(min=1e-3))  # host scalar
                 noise = torch.randn(loaded.shape, generator=gen) * scale
                 kv[blocks, :, offsets] = noise.to(device=kv.device, dtype=kv.dtype)

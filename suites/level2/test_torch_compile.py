@@ -24,7 +24,7 @@ def _f(x):
     return torch.sin((x + 1) * 2)
 
 
-def _compile_and_compare(device: str, record_property, monkeypatch) -> None:
+def _check_compiled_matches_eager(device: str, record_property, monkeypatch) -> None:
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -56,9 +56,9 @@ def _compile_and_compare(device: str, record_property, monkeypatch) -> None:
 
 @pytest.mark.hw_gpu
 def test_torch_compile_cuda_matches_eager(record_property, monkeypatch) -> None:
-    _compile_and_compare("cuda", record_property, monkeypatch)
+    _check_compiled_matches_eager("cuda", record_property, monkeypatch)
 
 
 @pytest.mark.hw_any
 def test_torch_compile_cpu_matches_eager(record_property, monkeypatch) -> None:
-    _compile_and_compare("cpu", record_property, monkeypatch)
+    _check_compiled_matches_eager("cpu", record_property, monkeypatch)

@@ -147,6 +147,16 @@ class FakeServer:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        counted = [True]
+
+        def done() -> None:
+            # counted out before the closing events: the client may send its next
+            # request the moment it reads [DONE], before this thread runs on
+            with self._lock:
+                if counted[0]:
+                    self.in_flight -= 1
+                    counted[0] = False
+
         try:
             hit = self.lookup(tuple(body["prompt"]))
             h.send_response(200)
@@ -165,6 +175,7 @@ class FakeServer:
                 if i:
                     time.sleep(self.itl_s)
                 chunk(json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}))
+            done()
             chunk(json.dumps({"choices": [], "usage": {
                 "prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
             if not self.drop_done:
@@ -172,8 +183,7 @@ class FakeServer:
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
         finally:
-            with self._lock:
-                self.in_flight -= 1
+            done()
 
     def metrics_text(self) -> str:
         c = self.counters

@@ -60,7 +60,9 @@ def test_replay_bounds_concurrency_and_reads_metric_deltas() -> None:
         res = tr.replay(srv.url, "fake-model", planned, mode="interleave",
                         variant="baseline", concurrency=3)
     f = res.figures()
-    assert srv.max_in_flight <= 3 and srv.max_in_flight >= 2
+    assert 2 <= srv.max_in_flight <= 3, (
+        f"replay with concurrency=3 had {srv.max_in_flight} requests in flight at "
+        "once on the server (expected 2 or 3): the bound is not enforced")
     assert f["succeeded"] == 8 and f["failed"] == 0
     assert f["prefix_cache"]["local_query_tokens"] == 8 * 16
     assert f["prefix_cache"]["external_hit_tokens"] is None  # no connector metric

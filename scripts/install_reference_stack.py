@@ -63,6 +63,10 @@ def main() -> None:
         if req.name.lower() in CUDA_ONLY:
             continue
         wanted.append(str(req))
+    print("installing vLLM's requirements without the CUDA-only ones: pip's "
+          "resolver will then say that vllm 'requires' flashinfer-python, "
+          "torchaudio, torchvision, ... 'which is not installed' — expected here, "
+          "they are left out on purpose (see this script's docstring)", flush=True)
     pip(f"torch=={TORCH_VERSION}", *wanted)
     print(f"reference stack ready: vllm {md.version('vllm')}, "
           f"torch {md.version('torch')}")

@@ -1,0 +1,59 @@
+"""RunReport outcomes: a test counts as passed only once its body ran and passed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixtures.report import RunReport, check_run_dir
+
+
+def phase(nodeid: str, when: str, outcome: str) -> pytest.TestReport:
+    longrepr = ("f.py", 1, "Skipped: no GPU") if outcome == "skipped" else None
+    return pytest.TestReport(nodeid, ("f.py", 1, nodeid), {"level1": 1}, outcome,
+                             longrepr, when, user_properties=[("x", 1)])
+
+
+def test_an_interrupted_test_is_not_run_not_passed(tmp_path) -> None:
+    rep = RunReport(tmp_path / "run", {"run": {}})
+    rep.pytest_runtest_logreport(phase("t::a", "setup", "passed"))  # then Ctrl-C
+    rep.pytest_runtest_logreport(phase("t::b", "setup", "passed"))
+    rep.pytest_runtest_logreport(phase("t::b", "call", "passed"))
+    rep.pytest_runtest_logreport(phase("t::b", "teardown", "passed"))
+    assert rep.counts() == {"passed": 1, "failed": 0, "skipped": 0, "error": 0,
+                            "not_run": 1}
+    summary = json.loads(rep.write(2).read_text())
+    assert summary["run"]["exit_status"] == 2
+    assert {t["nodeid"]: t["outcome"] for t in summary["tests"]} == {
+        "t::a": "not_run", "t::b": "passed"}
+
+
+def test_a_teardown_error_after_a_pass_is_an_error(tmp_path) -> None:
+    rep = RunReport(tmp_path / "run", {"run": {}})
+    for when, outcome in (("setup", "passed"), ("call", "passed"),
+                          ("teardown", "failed")):
+        rep.pytest_runtest_logreport(phase("t::a", when, outcome))
+    assert rep.counts()["error"] == 1 and rep.counts()["passed"] == 0
+
+
+def test_a_skip_in_setup_is_a_skip(tmp_path) -> None:
+    rep = RunReport(tmp_path / "run", {"run": {}})
+    rep.pytest_runtest_logreport(phase("t::a", "setup", "skipped"))
+    rep.pytest_runtest_logreport(phase("t::a", "teardown", "passed"))
+    assert rep.counts() == {"passed": 0, "failed": 0, "skipped": 1, "error": 0}
+
+
+def test_run_dir_checks_name_the_problem(tmp_path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("user data")
+    assert "is not a directory" in check_run_dir(afile)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("user data")
+    assert "holds no earlier run" in check_run_dir(tmp_path / "mine")
+    assert check_run_dir(tmp_path / "new" / "run") == ""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "summary.json").write_text("{}")
+    assert check_run_dir(earlier) == ""
+    assert afile.read_text() == "user data"  # nothing of the user's was touched

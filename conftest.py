@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "fixtures.plugin",
+    "fixtures.run_store",
     "fixtures.vllm_install",
     "fixtures.model",
     "fixtures.vllm_server",

@@ -1,0 +1,125 @@
+"""Each session gets its own connector store: a replayed run reproduces, none piles up.
+
+Found by a fresh-user trial: ``TVC_CONTRACT_NONCE=12345 pytest -m contract`` run twice
+failed a correct connector the second time (``test_prefix_sharing...: matched 96
+tokens (false hit)`` and a bfloat16 round trip loading float16 files), because the
+first run's KV files stayed in ``<scratch>/example-store``, which grew by ~9 MB a run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures import run_store as rs
+from fixtures.profile import BUILTIN_DIR, load
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The tests the trial saw fail on replay: the false hit, and the round trip at
+# float16 then bfloat16 (one prompt per shape, so the second dtype found the first).
+REPLAYED = ("test_prefix_sharing_matches_at_most_the_shared_blocks or "
+            "(test_loaded_kv_is_bit_identical and B16-H1-D64 and cpu)")
+
+
+def test_scratch_store_paths_move_to_the_session_folder(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    root = tmp_path / "scratch" / "run-stores" / "1-abc"
+    ktc = {"kv_connector": "X", "kv_role": "kv_both",
+           "kv_connector_extra_config": {
+               "shared_storage_path": f"{scratch}/example-store",
+               "nested": {"paths": [f"{scratch}/a/b", "/elsewhere/c"]},
+               "whole_scratch": str(scratch),
+               "outside": str(tmp_path / "other-store"),
+               "relative": "example-store", "size": 1 << 30, "empty": ""}}
+    before = repr(ktc)
+    out = rs.isolate_store_paths(ktc, scratch, root)
+    assert repr(ktc) == before, "the caller's dict must not change"
+    extra = out["kv_connector_extra_config"]
+    assert extra["shared_storage_path"] == str(root / "example-store")
+    assert extra["nested"]["paths"] == [str(root / "a" / "b"), "/elsewhere/c"]
+    assert extra["whole_scratch"] == str(root)
+    for key in ("outside", "relative", "size", "empty"):
+        assert extra[key] == ktc["kv_connector_extra_config"][key], key
+    assert {k: v for k, v in out.items() if k != "kv_connector_extra_config"} == {
+        "kv_connector": "X", "kv_role": "kv_both"}
+    assert rs.isolate_store_paths(out, scratch, root) == out  # idempotent
+
+
+def test_builtin_profile_store_moves_and_offloading_is_untouched(tmp_path: Path
+                                                                 ) -> None:
+    example = load(str(BUILTIN_DIR / "example.toml"))
+    out = rs.isolate_store_paths(example.kv_transfer_config(), example.scratch,
+                                 tmp_path / "root")
+    assert out["kv_connector_extra_config"]["shared_storage_path"] == str(
+        tmp_path / "root" / "example-store")
+    offload = load(str(BUILTIN_DIR / "cpu-offload.toml"))
+    cfg = offload.kv_transfer_config()
+    assert rs.isolate_store_paths(cfg, offload.scratch) == cfg
+    assert rs._ROOTS.get(rs._norm(offload.scratch)) is None, (
+        "no session folder is made when no path needs moving")
+
+
+def test_session_folder_is_stable_then_removed(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    root = rs.session_store_root(scratch)
+    try:
+        assert root.is_dir() and root.parent == scratch / rs.STORES_DIRNAME
+        assert root.name.startswith(f"{os.getpid()}-")
+        assert rs.session_store_root(scratch) == root  # one folder per session
+        moved = rs.isolate_store_paths(
+            {"kv_connector_extra_config": {"p": f"{scratch}/s"}}, scratch)
+        assert moved["kv_connector_extra_config"]["p"] == str(root / "s")
+        (root / "s").mkdir()
+        (root / "s" / "kv.safetensors").write_bytes(b"x" * 10)
+    finally:
+        assert rs.remove_session_stores(scratch) == [root]
+    assert not (scratch / rs.STORES_DIRNAME).exists()
+
+
+def test_folders_of_dead_runs_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    parent = tmp_path / "scratch" / rs.STORES_DIRNAME
+    dead_pid = 2**22 + 12345  # above Linux's default pid_max of 4194304
+    dead = parent / f"{dead_pid}-deadbeef"
+    alive = parent / f"{os.getppid()}-cafecafe"
+    foreign = parent / "keep-me"
+    for d in (dead, alive, foreign):
+        (d / "example-store").mkdir(parents=True)
+    assert rs.remove_orphaned_stores(tmp_path / "scratch") == [dead]
+    assert not dead.exists() and alive.is_dir() and foreign.is_dir()
+
+
+def _replay_profile(tmp_path: Path) -> Path:
+    """The built-in example profile, with its scratch directory under tmp_path."""
+    text = (BUILTIN_DIR / "example.toml").read_text()
+    path = tmp_path / "example-replay.toml"
+    path.write_text(text + f'\n[scratch]\ndir = "{tmp_path / "scratch"}"\n')
+    return path
+
+
+def test_contract_replay_with_same_nonce_reproduces_and_leaves_no_store(
+        tmp_path: Path) -> None:
+    profile = _replay_profile(tmp_path)
+    scratch = tmp_path / "scratch"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TVC_PROFILE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    env["TVC_CONTRACT_NONCE"] = "12345"
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
+             "-k", REPLAYED, "--profile", str(profile), "-p", "no:cacheprovider",
+             "-p", "no:xdist", "-q", "--report-dir", str(tmp_path / f"r{attempt}")],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and re.search(r"^3 passed\b", out, re.M), (
+            f"run {attempt} with TVC_CONTRACT_NONCE=12345 did not pass all 3 tests "
+            f"(exit {proc.returncode}); a replay must reproduce the first run, "
+            f"not find its KV. Output tail:\n{out[-3000:]}")
+    left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")
+                  if "store" in p.name)
+    assert not left, (
+        f"the runs left store files under the profile scratch: {left[:10]} — each "
+        "session's store must be removed when it ends")

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -132,17 +133,27 @@ def test_per_test_properties_in_both_reports(runs, case) -> None:
 
 
 def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
-    """Without --report-dir the run writes reports/<time>-<profile>/ (no flags)."""
+    """Without --report-dir the run writes <reports root>/<time>-<profile>/.
+
+    ``reports/latest`` then points at it. The reports root is moved under tmp_path
+    with ``TVC_REPORTS_ROOT`` (fixtures/report.py), so this self-test leaves no run
+    folder in the repo's own ``reports/`` and never moves its ``latest``.
+    """
+    root = tmp_path / "reports"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TVC_")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "suites/level1/test_vllm_install.py", "-k",
          "source_tree", "-p", "no:cacheprovider"], cwd=REPO_ROOT, capture_output=True,
-        text=True, check=False, env={**env, "VLLM_SOURCE": ""})
-    # the header names the folder; the last line names the files
-    line = [x for x in proc.stdout.splitlines() if x.startswith("reports: ")][-1]
-    junit = line.split()[1]
-    assert junit.startswith(str(REPO_ROOT / "reports") + "/")
-    assert junit.endswith("-example/junit.xml")
-    run_dir = REPO_ROOT / "reports" / junit.split("/")[-2]
+        text=True, check=False,
+        env={**env, "VLLM_SOURCE": "", "TVC_REPORTS_ROOT": str(root)})
+    # the header and the last line name the run folder
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("reports: ")]
+    assert lines, f"no 'reports:' line in the output:\n{proc.stdout[-3000:]}"
+    run_dir = Path(lines[-1].split()[1].removesuffix("junit.xml").rstrip("/"))
+    assert run_dir.parent == root, (
+        f"the run folder {run_dir} is not under TVC_REPORTS_ROOT={root}: the run "
+        "wrote into the repo's reports/ (fixtures/report.py REPORTS_ROOT)")
+    assert run_dir.name.endswith("-example"), run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["counts"]["skipped"] == 2
+    assert (root / "latest").resolve() == run_dir.resolve()

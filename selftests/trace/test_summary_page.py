@@ -55,7 +55,8 @@ def make_run_dir(root: Path) -> Path:
     summary = {
         "run": {"started_utc": "2026-11-30T12:00:00Z", "args": "-m 'not contract'",
                 "exit_status": 1, "duration_s": 412.5},
-        "profile": {"name": "example", "connector": "ExampleConnector"},
+        "profile": {"name": "example", "connector": "ExampleConnector",
+                    "source": "/work/profiles/example.toml"},
         "versions": {"vllm": "0.26.0", "vllm_location": "/root/vllm-bundle/site/vllm",
                      "torch": "2.11.0+cu130", "python": "3.12.3"},
         "hardware": {"gpus": [{"name": "NVIDIA H200"}], "levels": {
@@ -97,12 +98,15 @@ def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
     assert "| real_nvme | 0 | 0 | 0 | 2 |" in md
     assert "| other | 0 | 0 | 0 | 1 |" in md
     assert "`test_torch_matches_vllm_pin`: torch 2.13.0 installed" in md
-    assert "`test_a` (x2): no CUDA GPU" in md  # equal reasons merged
+    assert "`test_a` and `test_b` (2 tests): no CUDA GPU" in md  # merged, all named
+    assert "- **profile file**: /work/profiles/example.toml" in md
     assert "interleave: TTFT p50" in md and "![TTFT CDF](charts/ttft_cdf.png)" in md
     assert "| test_read[1] | read_gbps | 6.40 |" in md
     page = out["html"].read_text()
     assert page.count("data:image/png;base64,") == 2
     assert "<span class='badge FAIL'>FAIL</span>" in page
+    assert "<code>test_a</code> and <code>test_b</code> (2 tests): no CUDA" in page
+    assert "/work/profiles/example.toml" in page
     for png in (out["ttft"], out["bandwidth"]):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bw = sp.bandwidth_figures(json.loads((run / "summary.json").read_text()))
@@ -134,3 +138,36 @@ def test_cli_writes_the_page_and_refuses_a_folder_without_summary(tmp_path: Path
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "no summary.json here" in bad.stderr
+
+
+def test_merged_reasons_name_every_test_they_cover(tmp_path: Path) -> None:
+    """Tests sharing a reason are listed by name, not hidden behind the first one."""
+    reason = ("CUDA_HOME is not set and no nvcc is on PATH. Fix: install the CUDA "
+              "toolkit and set CUDA_HOME.")
+    names = ["test_cuda_home_has_nvcc", "test_nvcc_matches_torch_cuda",
+             "test_nvcc_compiles_cub_with_cxx17"]
+    many = [f"test_many_{i}" for i in range(sp.NAMES_SHOWN + 3)]
+    tests = [{"nodeid": f"suites/level1/test_build_preflight.py::{n}",
+              "outcome": "skipped", "tiers": ["level1"], "message": reason}
+             for n in names]
+    tests += [{"nodeid": f"suites/e2e/test_x.py::{n}", "outcome": "failed",
+               "tiers": ["e2e"], "message": "same failure"} for n in many]
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "run": {}, "profile": {"name": "p", "source": "/x/p.toml"},
+        "counts": {"skipped": 3, "failed": len(many)}, "tests": tests}))
+    out = sp.write_page(run)
+    md = out["markdown"].read_text()
+    assert ("`test_cuda_home_has_nvcc`, `test_nvcc_matches_torch_cuda` and "
+            "`test_nvcc_compiles_cub_with_cxx17` (3 tests): CUDA_HOME is not set"
+            ) in md
+    shown = ", ".join(f"`{n}`" for n in many[:sp.NAMES_SHOWN])
+    assert f"{shown} and 3 more ({len(many)} tests): same failure" in md
+    page = out["html"].read_text()
+    for n in names + many[:sp.NAMES_SHOWN]:
+        assert f"<code>{n}</code>" in page, n
+    assert "and 3 more" in page
+    assert sp.name_list(["a"]) == "`a`"
+    assert sp.name_list(["a", "b"], quote=str) == "a and b"
+    assert sp.name_list(["a", "b", "c"], limit=2, quote=str) == "a, b and 1 more"

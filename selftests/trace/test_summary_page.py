@@ -171,3 +171,16 @@ def test_merged_reasons_name_every_test_they_cover(tmp_path: Path) -> None:
     assert sp.name_list(["a"]) == "`a`"
     assert sp.name_list(["a", "b"], quote=str) == "a and b"
     assert sp.name_list(["a", "b", "c"], limit=2, quote=str) == "a, b and 1 more"
+
+
+def test_an_interrupted_run_is_not_called_a_pass() -> None:
+    from fixtures.summary_page import verdict
+
+    interrupted = {"run": {"exit_status": 2},
+                   "counts": {"passed": 3, "failed": 0, "skipped": 1, "error": 0,
+                              "not_run": 1}}
+    word, why = verdict(interrupted)
+    assert word == "INCOMPLETE" and "interrupted" in why and "1 test(s)" in why
+    clean = {"run": {"exit_status": 0},
+             "counts": {"passed": 3, "failed": 0, "skipped": 1, "error": 0}}
+    assert verdict(clean)[0] == "PASS"

@@ -5,7 +5,7 @@ Usage, from the repo root::
     python3 scripts/make_trace.py --seed 0 --out traces/smoke.jsonl
 
 The defaults reproduce ``traces/smoke.jsonl`` byte for byte (a self-test checks it).
-See :func:`fixtures.trace.generate_trace` for the model of the trace.
+See :func:`tvc.trace.generate_trace` for the model of the trace.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fixtures.trace import dump_trace, generate_trace  # noqa: E402
+from tvc.trace import dump_trace, generate_trace  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 The suite's checks are proved by running them against known-bad environments built in
 temp dirs. :func:`run_suite` runs ``python -m pytest`` from the repo root in a fresh
 interpreter with a chosen environment and returns the exit code, the output and the
-parsed ``summary.json`` (see :mod:`fixtures.report`), so a self-test can assert that a
+parsed ``summary.json`` (see :mod:`tvc.report`), so a self-test can assert that a
 check FAILED and that its message names the cause and the fix.
 
 Usage from a self-test::

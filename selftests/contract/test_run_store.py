@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures import run_store as rs
-from fixtures.profile import BUILTIN_DIR, load
+from tvc import run_store as rs
+from tvc.profile import BUILTIN_DIR, load
 
 REPO = Path(__file__).resolve().parents[2]
 

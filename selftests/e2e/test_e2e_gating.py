@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.session import state
 from selftests.conftest import run_suite
+from tvc.session import state
 
 pytestmark = pytest.mark.hw_any
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.session import state
 from selftests.conftest import run_suite
+from tvc.session import state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 

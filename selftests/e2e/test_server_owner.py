@@ -1,4 +1,4 @@
-"""Self-tests of fixtures/vllm_server.py against a fake server (no GPU, no vLLM)."""
+"""Self-tests of tvc/vllm_server.py against a fake server (no GPU, no vLLM)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fixtures.vllm_server import (
+from tvc.vllm_server import (
     CACHE_CONFIG_INFO_METRIC,
     EXTERNAL_HITS_METRIC,
     PREFIX_HITS_METRIC,
@@ -140,7 +140,7 @@ INNER = textwrap.dedent("""\
     import os, sys, time
     from pathlib import Path
     import pytest
-    from fixtures.vllm_server import VllmServer
+    from tvc.vllm_server import VllmServer
 
     TMP = Path(os.environ["INNER_TMP"])
 

@@ -1,4 +1,4 @@
-"""Self-tests of fixtures/two_pass.py: the acceptance checks pass on a good target and
+"""Self-tests of tvc/two_pass.py: the acceptance checks pass on a good target and
 fail, for the right reason, on known-bad ones (a fake server emulating a connector,
 and hand-made results)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import two_pass as tp
-from fixtures.vllm_server import Completion, MetricsSnapshot, VllmServer
+from tvc import two_pass as tp
+from tvc.vllm_server import Completion, MetricsSnapshot, VllmServer
 
 pytestmark = pytest.mark.hw_any
 

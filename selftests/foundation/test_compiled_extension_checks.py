@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import vllm_install
-from fixtures.profile import REPO_ROOT
+from tvc import vllm_install
+from tvc.profile import REPO_ROOT
 
 # this interpreter's own suffix, e.g. .cpython-311-x86_64-linux-gnu.so
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fixtures.plugin import parse_require, read_markers
-from fixtures.profile import REPO_ROOT
 from selftests.conftest import run_suite
 from selftests.foundation import fakes
+from tvc.plugin import parse_require, read_markers
+from tvc.profile import REPO_ROOT
 
 DUMP_PLUGIN = '''\
 import json, os

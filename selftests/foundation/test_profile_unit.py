@@ -1,4 +1,4 @@
-"""Unit tests of fixtures/profile.py: defaults, interpolation, types, hit rules."""
+"""Unit tests of tvc/profile.py: defaults, interpolation, types, hit rules."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fixtures.profile import REPO_ROOT, SCHEMA, ProfileError, _eval_rule, load
 from selftests.foundation import fakes
+from tvc.profile import REPO_ROOT, SCHEMA, ProfileError, _eval_rule, load
 
 HEAD = '[profile]\nname = "unit"\n[connector]\nname = "ExampleConnector"\n'
 _TMP: Path

@@ -136,7 +136,7 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
     """Without --report-dir the run writes <reports root>/<time>-<profile>/.
 
     ``reports/latest`` then points at it. The reports root is moved under tmp_path
-    with ``TVC_REPORTS_ROOT`` (fixtures/report.py), so this self-test leaves no run
+    with ``TVC_REPORTS_ROOT`` (tvc/report.py), so this self-test leaves no run
     folder in the repo's own ``reports/`` and never moves its ``latest``.
     """
     root = tmp_path / "reports"
@@ -152,7 +152,7 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
     run_dir = Path(lines[-1].split()[1].removesuffix("junit.xml").rstrip("/"))
     assert run_dir.parent == root, (
         f"the run folder {run_dir} is not under TVC_REPORTS_ROOT={root}: the run "
-        "wrote into the repo's reports/ (fixtures/report.py REPORTS_ROOT)")
+        "wrote into the repo's reports/ (tvc/report.py REPORTS_ROOT)")
     assert run_dir.name.endswith("-example"), run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["counts"]["skipped"] == 2

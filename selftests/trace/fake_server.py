@@ -54,7 +54,7 @@ class FakeServer:
         return f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
     def client(self, timeout_s: float = 30.0) -> Any:
-        from fixtures.vllm_server import VllmClient
+        from tvc.vllm_server import VllmClient
 
         return VllmClient(self.url, timeout_s=timeout_s)
 

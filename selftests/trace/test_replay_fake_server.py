@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import requests
 
-from fixtures import trace as tr
-from fixtures.profile import load
-from fixtures.trace_bench import TraceCampaign, resolve_settings
 from selftests.trace.fake_server import FakeServer
+from tvc import trace as tr
+from tvc.profile import load
+from tvc.trace_bench import TraceCampaign, resolve_settings
 
 TOL_S = 0.06  # scheduling slack on a shared 2-core box
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures import trace as tr
-from fixtures.profile import load
-from fixtures.trace_bench import SIZES, resolve_settings
+from tvc import trace as tr
+from tvc.profile import load
+from tvc.trace_bench import SIZES, resolve_settings
 
 
 def rec(i: int, ids: list[int], length: int, ts: float = 0.0, out: int = 8

@@ -1,9 +1,9 @@
 """bandwidth: the store's write and read GB/s against the profile's graded thresholds.
 
 One module-scoped measurement (``bench``) drives the profile's store
-(``fixtures/store.py``) from GPU memory: for each I/O size in 256 KiB..64 MiB,
+(``tvc/store.py``) from GPU memory: for each I/O size in 256 KiB..64 MiB,
 ``REPETITIONS`` passes of 1 GiB written (with sync) and read (page cache dropped
-first); median/min/max in GB/s and GiB/s (``fixtures/bandwidth.py``). In the same run
+first); median/min/max in GB/s and GiB/s (``tvc/bandwidth.py``). In the same run
 it measures two reference lines: kvikio's own read/write of the same pool file and
 pinned host <-> device copies (the PCIe ceiling). Figures go to the JUnit properties
 and summary.json; the run folder gets ``bandwidth.png`` and ``bandwidth.json``.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from fixtures import bandwidth as bw
-from fixtures.session import state
-from fixtures.store import StoreError, StoreSpec, create_pool
+from tvc import bandwidth as bw
+from tvc.session import state
+from tvc.store import StoreError, StoreSpec, create_pool
 
 pytestmark = [pytest.mark.bandwidth, pytest.mark.hw_nvme]
 

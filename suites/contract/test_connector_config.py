@@ -14,7 +14,7 @@ import copy
 
 import pytest
 
-from fixtures import contract as C
+from tvc import contract as C
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
@@ -32,7 +32,7 @@ def _create(profile, scratch, ktc) -> str:
 
 
 def _keys(section_key: str) -> list:
-    from fixtures.session import state
+    from tvc.session import state
 
     return state().profile["connector"][section_key] or [None]
 

@@ -4,7 +4,7 @@ Driven through vLLM's own ``Scheduler`` on CPU.
 
 Each test builds a rig (config, real scheduler, the connector's worker side on CPU
 where the profile allows it, else a transfer-acknowledging stand-in), acts, and
-checks with the named invariant helpers of :mod:`fixtures.contract`.
+checks with the named invariant helpers of :mod:`tvc.contract`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fixtures import contract as C
+from tvc import contract as C
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 

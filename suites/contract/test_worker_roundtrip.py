@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 
-from fixtures import contract as C
+from tvc import contract as C
 
 pytestmark = [pytest.mark.contract]
 
@@ -43,7 +43,7 @@ def test_loaded_kv_is_bit_identical_and_nothing_else_changes(
         pytest.skip(f"profile {contract_profile.name} declares worker_devices "
                     f"{contract_profile['connector']['worker_devices']} without cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        from fixtures.session import missing_hardware
+        from tvc.session import missing_hardware
         missing_hardware("gpu", "torch cannot see a CUDA device for the KV caches.")
     rig = rig_factory(device=device, real_worker=True, block_size=block_size,
                       num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,

@@ -5,7 +5,7 @@ random token-id prompts (seeded per run and test; the seed is a report property)
 persistent store never knows a prompt before pass 1. Between the passes ``POST
 /reset_prefix_cache`` empties vLLM's GPU prefix cache, so a hit can only come from the
 connector. Expected hit counts come from the profile's ``connector.hit_rule``.
-Tolerance for logprobs: :data:`fixtures.two_pass.LOGPROB_ATOL` nats.
+Tolerance for logprobs: :data:`tvc.two_pass.LOGPROB_ATOL` nats.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from fixtures import two_pass as tp
-from fixtures.model import prompt_token_range
-from fixtures.session import state
+from tvc import two_pass as tp
+from tvc.model import prompt_token_range
+from tvc.session import state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 

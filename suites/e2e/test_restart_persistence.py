@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures import two_pass as tp
-from fixtures.model import prompt_token_range
-from fixtures.session import state
+from tvc import two_pass as tp
+from tvc.model import prompt_token_range
+from tvc.session import state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from fixtures import toolchain
-from fixtures.session import state
+from tvc import toolchain
+from tvc.session import state
 
 pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.session import state
-from fixtures.vllm_install import resolve_connector, unimplemented_abstract_methods
+from tvc.session import state
+from tvc.vllm_install import resolve_connector, unimplemented_abstract_methods
 
 pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 
@@ -41,7 +41,7 @@ def _profile_imports() -> list[str]:
 def test_profile_modules_import(module) -> None:
     import importlib
 
-    from fixtures.vllm_install import explain_import_error
+    from tvc.vllm_install import explain_import_error
 
     if module is None:
         pytest.skip(f"profile {state().profile.name} declares no extra modules "

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.session import state
-from fixtures.vllm_install import (
+from tvc.session import state
+from tvc.vllm_install import (
     modified_tracked_files,
     requires_python,
     torch_requirement,

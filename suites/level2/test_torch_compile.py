@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fixtures.session import state
+from tvc.session import state
 
 pytestmark = pytest.mark.level2
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from fixtures import trace as tr
-from fixtures.trace_bench import VARIANTS
+from tvc import trace as tr
+from tvc.trace_bench import VARIANTS
 
 pytestmark = [pytest.mark.trace, pytest.mark.hw_gpu]
 

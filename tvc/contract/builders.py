@@ -1,0 +1,256 @@
+"""Builders of vLLM objects around a connector, with defaults and keyword overrides.
+
+Tiny model config, ``VllmConfig``, ``KVCacheConfig``, vLLM's V1 ``Scheduler`` and
+``Request`` objects, as vLLM's own connector unit tests build them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tvc.profile import Profile
+from tvc.run_store import isolate_store_paths
+
+# Tiny Llama used only for its config (no weights are loaded by the contract tier).
+TINY_VOCAB_SIZE = 32000  # token ids drawn below this
+TINY_NUM_LAYERS = 2
+EOS_TOKEN_ID = 2  # Llama convention; never sampled by the driver
+SAMPLED_TOKEN_ID = 7  # the fake model always samples this token
+
+# Mixed into every prompt so that a persistent store (files from an earlier run)
+# cannot turn a "cold" prompt warm. Set TVC_CONTRACT_NONCE to replay a run.
+RUN_NONCE = int(os.environ.get("TVC_CONTRACT_NONCE") or uuid.uuid4().int % 10**9)
+
+DEFAULT_NUM_BLOCKS = 512  # GPU KV blocks in the scheduler's pool (real capacity)
+DEFAULT_MAX_MODEL_LEN = 4096  # tokens
+
+
+# --------------------------------------------------------------------------- builders
+def write_tiny_model(directory: Path, *, num_kv_heads: int = 2, head_size: int = 64,
+                     num_layers: int = TINY_NUM_LAYERS, dtype: str = "float16"
+                     ) -> Path:
+    """Write a tiny Llama ``config.json`` that vLLM's ``ModelConfig`` accepts.
+
+    Args:
+        directory: where to write (created if missing); suite-owned scratch.
+        num_kv_heads: ``num_key_value_heads``.
+        head_size: ``head_dim`` in elements.
+        num_layers: ``num_hidden_layers``.
+        dtype: ``torch_dtype`` (``float16`` or ``bfloat16``).
+
+    Returns:
+        the model directory.
+
+    """
+    num_heads = max(num_kv_heads, 4)
+    num_heads -= num_heads % num_kv_heads
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": num_heads * head_size,
+        "intermediate_size": 2 * num_heads * head_size,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_size, "num_hidden_layers": num_layers,
+        "vocab_size": TINY_VOCAB_SIZE, "max_position_embeddings": DEFAULT_MAX_MODEL_LEN,
+        "rms_norm_eps": 1e-5, "torch_dtype": dtype, "bos_token_id": 1,
+        "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": False,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.json"
+    text = json.dumps(cfg, indent=1, sort_keys=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return directory
+
+
+def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
+                     num_kv_heads: int = 2, head_size: int = 64,
+                     dtype: str = "float16", max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                     max_num_batched_tokens: int = DEFAULT_MAX_MODEL_LEN,
+                     kv_transfer_config: Mapping[str, Any] | None = None,
+                     device: str = "cpu") -> Any:
+    """Build a ``VllmConfig`` for the profile's connector.
+
+    Args:
+        profile: the target profile (its ``kv_transfer_config()`` is used unless
+            ``kv_transfer_config`` is given).
+        scratch: suite-owned directory for the tiny model config.
+        block_size: KV block size B in tokens.
+        num_kv_heads: KV heads of the tiny model.
+        head_size: head size in elements.
+        dtype: model and KV cache dtype name (``float16`` / ``bfloat16``).
+        max_model_len: tokens.
+        max_num_batched_tokens: scheduler token budget per step.
+        kv_transfer_config: override of the profile's dict (configuration tests).
+            Either way, store paths inside the profile's scratch directory are
+            moved to this session's store folder
+            (:func:`tvc.run_store.isolate_store_paths`).
+        device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
+
+    Returns:
+        ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
+
+    """
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_dir = write_tiny_model(
+        scratch / f"tiny-llama-h{num_kv_heads}-d{head_size}-{dtype}",
+        num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0,
+                               skip_tokenizer_init=True,
+                               max_model_len=max_model_len)
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=True,
+        is_encoder_decoder=False, async_scheduling=False)
+    scheduler_config = SchedulerConfig(**sched_kwargs)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    # Store paths under the profile's scratch move to this session's own folder, so
+    # a replayed run (same TVC_CONTRACT_NONCE) finds no KV of an earlier run.
+    ktc = isolate_store_paths(kv_transfer_config or profile.kv_transfer_config(),
+                              profile.scratch)
+    kt = KVTransferConfig(**ktc)
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config, kv_transfer_config=kt,
+                      device_config=DeviceConfig(device))
+
+
+def layer_names(vllm_config: Any) -> list[str]:
+    """Attention layer names as vLLM names them for a Llama model.
+
+    Returns:
+        ``model.layers.<i>.self_attn.attn`` for each hidden layer.
+
+    """
+    n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
+                         ) -> Any:
+    """A real ``KVCacheConfig``: one full-attention group, one tensor per layer.
+
+    Args:
+        vllm_config: from :func:`make_vllm_config`.
+        num_blocks: KV blocks per layer (the pool's real capacity).
+
+    Returns:
+        ``vllm.v1.kv_cache_interface.KVCacheConfig`` whose tensors have the byte size
+        ``num_blocks * page_size_bytes`` of the layer's ``FullAttentionSpec``.
+
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    mc = vllm_config.model_config
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=mc.get_head_size(), dtype=mc.dtype)
+    names = layer_names(vllm_config)
+    tensors = [KVCacheTensor(size=spec.page_size_bytes * num_blocks,
+                             shared_by=[name]) for name in names]
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
+    """VLLM's real V1 ``Scheduler``; it creates the scheduler-side connector.
+
+    Args:
+        vllm_config: from :func:`make_vllm_config`.
+        kv_cache_config: from :func:`make_kv_cache_config` (built if None).
+
+    Returns:
+        ``vllm.v1.core.sched.scheduler.Scheduler`` with ``.connector`` set.
+
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kv_cache_config = kv_cache_config or make_kv_cache_config(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        return Scheduler(
+            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=vllm_config.cache_config.block_size, log_stats=True)
+
+
+_REQ_COUNTER = itertools.count(1)
+_NONE_HASH_READY = False
+
+
+def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
+    """Deterministic pseudo-random token ids (no two seeds share a first token).
+
+    Args:
+        num_tokens: length.
+        seed: distinguishes prompts; equal seeds give equal prompts.
+
+    Returns:
+        token ids in ``[10, TINY_VOCAB_SIZE)``.
+
+    """
+    import random
+
+    rng = random.Random(f"{RUN_NONCE}-{seed}")
+    return [10 + (seed * 131 + RUN_NONCE) % 9973] + [
+        rng.randrange(10, TINY_VOCAB_SIZE) for _ in range(num_tokens - 1)]
+
+
+def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
+                 shared_prefix: Sequence[int] = (), max_tokens: int = 2,
+                 request_id: str | None = None) -> Any:
+    """A vLLM ``Request`` with vLLM's own block hasher.
+
+    Args:
+        num_tokens: prompt length in tokens (including ``shared_prefix``).
+        block_size: B, for the block hasher (must equal the cache's block size).
+        seed: prompt seed; a new one per call when None (unrelated prompts).
+        shared_prefix: token ids the prompt starts with (prefix-sharing tests).
+        max_tokens: output tokens before the request finishes by length.
+        request_id: default ``req-<n>``.
+
+    Returns:
+        ``vllm.v1.request.Request``.
+
+    """
+    global _NONE_HASH_READY
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    if not _NONE_HASH_READY:
+        init_none_hash(sha256)
+        _NONE_HASH_READY = True
+    n = next(_REQ_COUNTER)
+    seed = n + 100_000 if seed is None else seed
+    prefix = list(shared_prefix)
+    assert len(prefix) <= num_tokens, "shared_prefix longer than the prompt"
+    tail = prompt_tokens(num_tokens - len(prefix) + 1, seed)[1:] if prefix else \
+        prompt_tokens(num_tokens, seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(request_id=request_id or f"req-{n}",
+                   prompt_token_ids=prefix + tail, sampling_params=params,
+                   pooling_params=None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))

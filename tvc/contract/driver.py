@@ -1,0 +1,213 @@
+"""Engine driver: schedule, forward and ``update_from_output`` as the engine core runs.
+
+One :class:`StepRecord` per step; the worker is the connector's real worker side or a
+transfer-acknowledging stand-in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tvc.contract.builders import SAMPLED_TOKEN_ID
+from tvc.contract.invariants import (
+    assert_match_within_prompt,
+    assert_metadata_survives_serialization,
+)
+from tvc.contract.serialization import round_trip
+from tvc.contract.worker import JobAckWorker
+
+
+# ---------------------------------------------------------------------------- driver
+@dataclass
+class StepRecord:
+    """What one engine step did, for the checks."""
+
+    scheduled: dict[str, int]
+    meta_type: str
+    finished: list[str]
+
+
+@dataclass
+class EngineDriver:
+    """Run the scheduler and a worker the way ``EngineCore.step`` does.
+
+    Attributes:
+        scheduler: vLLM's ``Scheduler`` (with ``.connector``).
+        worker: :class:`ConnectorWorker`, :class:`JobAckWorker` or None (then
+            the worker kind is chosen from the first metadata seen).
+        serialize: send each step's connector metadata through
+            :func:`round_trip` (as the multiprocess executor does).
+        matched: request id -> tokens the connector reported as matched when the
+            request was admitted (``num_computed_tokens`` after admission minus
+            the local prefix cache hit).
+
+    """
+
+    scheduler: Any
+    worker: Any = None
+    serialize: bool = True
+    history: list[StepRecord] = field(default_factory=list)
+    first_compute: dict[str, tuple[int, int]] = field(default_factory=dict)
+    finished_returns: dict[str, Any] = field(default_factory=dict)
+    matched: dict[str, list[tuple[int, int | None, bool]]] = field(
+        default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
+    metas: list[Any] = field(default_factory=list)
+    max_steps: int = 200
+
+    def __post_init__(self) -> None:
+        self._wrap_connector()
+
+    @property
+    def connector(self) -> Any:
+        """The scheduler-side connector."""
+        return self.scheduler.connector
+
+    def add(self, *requests: Any) -> None:
+        """Add requests to the scheduler (``EngineCore.add_request``)."""
+        for r in requests:
+            self.scheduler.add_request(r)
+
+    def step(self) -> Any:
+        """One engine step: schedule, worker, update_from_output.
+
+        Returns:
+            the ``SchedulerOutput``.
+
+        """
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sched = self.scheduler
+        so = sched.schedule()
+        meta = so.kv_connector_metadata
+        if meta is not None:
+            self.metas.append(meta)
+        if meta is not None and self.serialize:
+            assert_metadata_survives_serialization(meta)
+            meta = round_trip(meta)
+        if self.worker is None and meta is not None and JobAckWorker.applies_to(
+                meta):
+            self.worker = JobAckWorker(type(meta).__module__)
+        kv_out = self.worker.execute(so, meta) if (
+            self.worker is not None and meta is not None) else None
+        if kv_out is not None and kv_out.finished_recving:
+            self.finished_recving |= set(kv_out.finished_recving)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            if rid not in self.first_compute:
+                # schedule() already advanced num_computed_tokens by n
+                self.first_compute[rid] = (req.num_computed_tokens - n, n)
+            req_ids.append(rid)
+            done_prefill = req.num_computed_tokens >= req.num_tokens
+            sampled.append([SAMPLED_TOKEN_ID] if done_prefill else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[None] * len(req_ids) if _pooler_is_list() else None,
+            kv_connector_output=kv_out)
+        sched.update_from_output(so, mro)
+        self.history.append(StepRecord(dict(so.num_scheduled_tokens),
+                                       type(meta).__name__,
+                                       sorted(so.finished_req_ids)))
+        return so
+
+    def _wrap_connector(self) -> None:
+        """Record what the scheduler-side connector answers vLLM.
+
+        ``get_num_new_matched_tokens`` -> :attr:`matched` (local computed tokens
+        passed in, tokens returned, async flag); ``request_finished`` /
+        ``request_finished_all_groups`` -> :attr:`finished_returns`.
+        """
+        c = self.connector
+        if c is None or getattr(c, "_tvc_wrapped", False):
+            return
+        orig_match = c.get_num_new_matched_tokens
+
+        def match(request: Any, num_computed_tokens: int) -> Any:
+            ret = orig_match(request, num_computed_tokens)
+            n, is_async = (ret if isinstance(ret, tuple) else (ret, False))
+            self.matched.setdefault(request.request_id, []).append(
+                (num_computed_tokens, n, bool(is_async)))
+            if n is not None:
+                assert_match_within_prompt(request, num_computed_tokens, int(n),
+                                           bool(is_async))
+            return ret
+
+        c.get_num_new_matched_tokens = match
+        for name in ("request_finished", "request_finished_all_groups"):
+            orig = getattr(c, name, None)
+            if orig is None:
+                continue
+
+            def wrapper(request: Any, block_ids: Any, _orig: Any = orig,
+                        _name: str = name) -> Any:
+                ret = _orig(request, block_ids)
+                self.finished_returns[request.request_id] = (_name, ret)
+                return ret
+
+            setattr(c, name, wrapper)
+        c._tvc_wrapped = True
+
+    def run_until_idle(self, extra_steps: int = 4) -> None:
+        """Step until no request is left, then a few empty steps (async jobs).
+
+        Raises:
+            AssertionError: requests remain after ``max_steps`` steps.
+
+        """
+        for _ in range(self.max_steps):
+            if not self.scheduler.requests:
+                break
+            self.step()
+        else:
+            left = {r: str(q.status) for r, q in self.scheduler.requests.items()}
+            if all(q.is_finished() for q in self.scheduler.requests.values()):
+                pool = self.scheduler.kv_cache_manager.block_pool
+                held = sum(1 for b in pool.blocks if b.ref_cnt)
+                raise AssertionError(
+                    f"finished requests {sorted(left)} never left the scheduler and "
+                    f"{held} KV block(s) are still referenced after {self.max_steps} "
+                    "steps: request_finished returned delay_free_blocks=True but the "
+                    "worker never reported the requests in finished_sending (leaked "
+                    "blocks)")
+            raise AssertionError(
+                f"requests still in the scheduler after {self.max_steps} steps: "
+                f"{left} — a load or store never completed (the connector never "
+                "reported it finished)")
+        for _ in range(extra_steps):
+            self.step()
+
+    def run(self, *requests: Any) -> None:
+        """Add ``requests`` and run to completion."""
+        self.add(*requests)
+        self.run_until_idle()
+
+
+def _pooler_is_list() -> bool:
+    import inspect
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    try:
+        ann = inspect.signature(ModelRunnerOutput).parameters["pooler_output"]
+    except (KeyError, ValueError):
+        return False
+    return "None" not in str(ann.annotation) and "list" in str(ann.annotation)
+
+
+def external_hit(driver: EngineDriver, request: Any) -> tuple[int, int, bool]:
+    """What the connector answered vLLM for ``request`` (last definite answer).
+
+    Returns:
+        (local computed tokens vLLM passed in, matched tokens returned, async
+        flag); (0, 0, False) when the connector was never asked.
+
+    """
+    answers = [a for a in driver.matched.get(request.request_id, [])
+               if a[1] is not None]
+    if not answers:
+        return 0, 0, False
+    local, n, is_async = answers[-1]
+    return local, int(n or 0), is_async

@@ -1,0 +1,206 @@
+"""One named check per contract invariant.
+
+Each raises ``AssertionError`` with a message saying what was expected, what was
+seen and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from tvc.contract.serialization import round_trip, structurally_equal
+
+if TYPE_CHECKING:
+    from tvc.contract.driver import EngineDriver
+
+# ------------------------------------------------------------------- invariants
+def assert_scheduler_empty_and_no_leaked_blocks(scheduler: Any) -> None:
+    """Every request is gone and every KV block is free again.
+
+    Raises:
+        AssertionError: names what is left (requests, queues, blocks with refs).
+
+    """
+    left = []
+    for attr in ("requests", "waiting", "running", "finished_req_ids",
+                 "finished_recving_kv_req_ids", "_inflight_prefills"):
+        obj = getattr(scheduler, attr, None)
+        if obj is not None and len(obj):
+            left.append(f"{attr}={len(obj)}")
+    pool = scheduler.kv_cache_manager.block_pool
+    used = [b.block_id for b in pool.blocks if b.ref_cnt != 0 and not getattr(
+        b, "is_null", False)]
+    free = pool.free_block_queue.num_free_blocks
+    expect_free = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+    assert not left and not used and free == expect_free, (
+        "scheduler not empty after all requests finished: "
+        f"left {', '.join(left) or 'no requests'}; {len(used)} KV block(s) still "
+        f"referenced (first: {used[:8]}); free blocks {free} of {expect_free}. "
+        "The connector holds blocks it never releases (request_finished returned "
+        "delay_free=True without a later finished_sending, or a load never "
+        "finished)")
+
+
+def assert_hit_matches_rule(matched: int, expected: int, prompt_len: int,
+                            block_size: int, rule: str, source: str) -> None:
+    """The connector matched exactly the profile's declared hit rule.
+
+    Raises:
+        AssertionError: more (claims tokens it may not have) or fewer (throws
+            hits away) than declared.
+
+    """
+    if matched == expected:
+        return
+    what = ("throws stored KV away" if matched < expected
+            else "claims more tokens than the declared rule allows")
+    raise AssertionError(
+        f"external hit for a {prompt_len}-token prompt at block size {block_size}: "
+        f"expected {expected} tokens by the profile's hit_rule {rule!r} ({source}), "
+        f"saw {matched} — the connector {what}. Fix the connector, or the "
+        "profile's connector.hit_rule if the rule itself is wrong")
+
+
+def assert_match_within_prompt(request: Any, local: int, matched: int,
+                               is_async: bool) -> None:
+    """The connector never claims the last prompt token a request must compute.
+
+    A synchronous match must leave at least the last prompt token to compute
+    (``local + matched <= len - 1``, i.e. at most ``floor((len - 1) / B) * B``):
+    vLLM's scheduler asserts otherwise. An asynchronous match may cover the whole
+    prompt; vLLM then recomputes the last token itself
+    (``Scheduler._update_waiting_for_remote_kv``), so the bound is ``len``.
+
+    Raises:
+        AssertionError: the bound is exceeded (checked at the moment the
+            connector answers, before vLLM's scheduler acts on it).
+
+    """
+    n = request.num_tokens
+    limit = n if is_async else n - 1
+    assert local + matched <= limit, (
+        f"get_num_new_matched_tokens for {request.request_id} ({n} tokens, "
+        f"{local} computed locally) returned {matched} "
+        f"({'async' if is_async else 'sync'}): local + matched = "
+        f"{local + matched} > {limit}. The connector counts the last prompt "
+        "token, which vLLM must always recompute to sample; match at most "
+        "the first len - 1 tokens")
+    assert matched >= 0, (
+        f"get_num_new_matched_tokens for {request.request_id} returned {matched}, "
+        "a negative token count")
+
+
+def assert_block_aligned(matched: int, block_size: int, prompt_len: int) -> None:
+    """Matched tokens are a whole number of blocks.
+
+    Raises:
+        AssertionError: not a multiple of B.
+
+    """
+    assert matched % block_size == 0, (
+        f"external hit of {matched} tokens for a {prompt_len}-token prompt is not "
+        f"a multiple of the block size {block_size}: vLLM allocates and caches "
+        "whole blocks, so a partial block would be loaded into a block vLLM treats "
+        "as incomplete. Align get_num_new_matched_tokens down to whole blocks")
+
+
+def assert_last_token_recomputed(driver: EngineDriver, request: Any) -> None:
+    """When the request first computes, at most ``len - 1`` tokens are computed.
+
+    vLLM must run at least the last prompt token to sample; a synchronous
+    connector that matches the whole prompt leaves nothing to schedule.
+
+    Raises:
+        AssertionError: the request never computed, or computed none of its
+            prompt.
+
+    """
+    rid = request.request_id
+    n = request.num_prompt_tokens
+    assert rid in driver.first_compute, (
+        f"request {rid} ({n} tokens) was never scheduled for compute: "
+        "vLLM could not schedule it after the connector's match (a synchronous "
+        "connector must leave at least the last prompt token to compute)")
+    computed, scheduled = driver.first_compute[rid]
+    assert computed <= n - 1 and scheduled >= 1, (
+        f"request {rid}: {computed} of {n} prompt tokens counted as computed when "
+        f"it was first scheduled ({scheduled} scheduled): at most {n - 1} may be, "
+        "the last prompt token is always recomputed to sample the next token")
+
+
+def assert_only_unmatched_tokens_run(driver: EngineDriver, request: Any,
+                                     matched: int) -> None:
+    """After the load, the request runs exactly its unmatched tokens.
+
+    Raises:
+        AssertionError: it recomputed loaded tokens or skipped unmatched ones.
+
+    """
+    rid = request.request_id
+    n = request.num_prompt_tokens
+    computed, _ = driver.first_compute[rid]
+    expect = min(matched, n - 1)
+    assert computed == expect, (
+        f"request {rid}: after loading {matched} external tokens it started "
+        f"computing at token {computed}, expected {expect} (min(matched, len-1)): "
+        "the load did not complete through the finished-receiving path or vLLM "
+        "recomputes tokens the connector loaded")
+
+
+def assert_metadata_survives_serialization(meta: Any) -> None:
+    """``meta`` is a ``KVConnectorMetadata`` that round-trips unchanged.
+
+    Raises:
+        AssertionError: wrong type, pickling fails, or a field changes.
+
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    assert isinstance(meta, KVConnectorMetadata), (
+        f"build_connector_meta returned {type(meta).__name__}, expected a "
+        "KVConnectorMetadata subclass")
+    try:
+        back = round_trip(meta)
+    except Exception as exc:  # noqa: BLE001 - report any pickling failure
+        raise AssertionError(
+            f"build_connector_meta returned {type(meta).__name__} which vLLM cannot "
+            f"send to the workers: pickling it (as shm_broadcast.MessageQueue "
+            f"does) fails with {type(exc).__name__}: {exc}. Keep connector "
+            "metadata to plain data, tensors and picklable classes") from None
+    diff = structurally_equal(meta, back)
+    assert not diff, (
+        f"{type(meta).__name__} changes when sent to the workers: {diff}")
+
+
+def assert_request_finished_types(ret: Any, method: str) -> None:
+    """``request_finished(_all_groups)`` returns ``(bool, dict | None)``.
+
+    Raises:
+        AssertionError: another shape or types.
+
+    """
+    ok = (isinstance(ret, tuple) and len(ret) == 2 and isinstance(ret[0], bool)
+          and (ret[1] is None or isinstance(ret[1], dict)))
+    assert ok, (f"{method} returned {ret!r}; vLLM expects (delay_free_blocks: bool, "
+                "kv_transfer_params: dict | None)")
+
+
+def assert_loaded_kv_bit_identical(worker: Any) -> None:
+    """Every load verified by the worker harness was bit-identical.
+
+    Raises:
+        AssertionError: the first mismatch (layer, token, block).
+
+    """
+    errs = getattr(worker, "load_errors", [])
+    assert not errs, (
+        f"loaded KV differs from what was stored ({len(errs)} request(s)): "
+        f"{errs[0]}. The connector's load corrupts data or writes into the wrong "
+        "block or layer")
+
+
+def iter_finished_returns(driver: EngineDriver) -> Iterable[tuple[str, str, Any]]:
+    """(request id, method name, returned value) for every finished request."""
+    for rid, (name, ret) in driver.finished_returns.items():
+        yield rid, name, ret

@@ -91,7 +91,7 @@ def test_default_used_only_when_variable_unset(default: str) -> None:
 
 # a value of the wrong type for each schema type
 WRONG = {str: 7, int: "7", float: "7.0", bool: "yes", "list[str]": [1, 2],
-         "dict": ["a"]}
+         "dict": ["a"], "list[int]": ["1"], "list[dict]": [1]}
 TYPED_KEYS = [(s, k, t) for s, keys in SCHEMA.items() for k, (t, _, _) in keys.items()]
 
 

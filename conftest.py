@@ -1,23 +1,25 @@
 """Root conftest: makes ``fixtures/`` importable and loads the suite's plugin.
 
 The plugin (:mod:`tvc.plugin`) is normally registered through the ``pytest11`` entry
-point of the installed package; a checkout that is not installed loads it from here.
+point of the installed package; a checkout that is not installed (or a run with
+plugin autoloading disabled) loads it from here.
 The fixture modules are plain pytest plugins in ``fixtures/``. The repository root is
 put on ``sys.path`` so that they load under every ``--import-mode`` (``importlib``
 does not add it).
 """
 
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 _ROOT = str(Path(__file__).resolve().parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-_INSTALLED = any(ep.value == "tvc.plugin" for ep in entry_points(group="pytest11"))
+# Loaded through the pytest11 entry point, the plugin is imported before any conftest;
+# otherwise (not installed, or plugin autoloading disabled) load it from here.
+_LOADED = "tvc.plugin" in sys.modules
 
-pytest_plugins = ([] if _INSTALLED else ["tvc.plugin"]) + [
+pytest_plugins = ([] if _LOADED else ["tvc.plugin"]) + [
     "fixtures.vllm",
     "fixtures.model",
     "fixtures.trace",

@@ -12,7 +12,7 @@ Usage from a self-test::
 
     def test_x(tmp_path):
         run = run_suite(["suites/level1/test_vllm_install.py", "-k", "torch_matches"],
-                        tmp_path / "report", env={"VLLM_SOURCE": str(tree)})
+                        tmp_path / "report", env={"TVC_VLLM_SOURCE": str(tree)})
         t = run.test("test_torch_matches_vllm_pin")
         assert t["outcome"] == "failed" and "9.9.9" in t["message"]
 
@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Variables a caller's shell may set that would change which profile/strictness/report
 # folder the child run uses; they are dropped unless the caller passes them in ``env``.
-SUITE_ENV_VARS = ("TVC_PROFILE", "TVC_REQUIRE", "TVC_REPORT_DIR",
+SUITE_ENV_VARS = ("TVC_PROFILE", "TVC_REQUIRE", "TVC_REPORT_DIR", "TVC_SEED",
                   "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST")
 
 
@@ -52,7 +52,7 @@ class SuiteRun:
         stdout: stdout and stderr of the run, interleaved.
         summary: the parsed ``summary.json``, or None when the run wrote none
             (e.g. a usage error at start-up).
-        report_dir: the ``--report-dir`` the run used.
+        report_dir: the ``--tvc-report-dir`` the run used.
     """
 
     rc: int
@@ -98,10 +98,10 @@ def run_suite(args: Sequence[str], report_dir: Path,
     """Run the suite in a fresh interpreter from the repo root.
 
     Runs ``[sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider",
-    "--report-dir", report_dir]`` with cwd = repo root.
+    "--tvc-report-dir", report_dir]`` with cwd = repo root.
 
     Args:
-        args: pytest arguments (test paths, ``-k``, ``--profile``...).
+        args: pytest arguments (test paths, ``-k``, ``--tvc-profile``...).
         report_dir: the run folder for ``junit.xml`` / ``summary.json``.
         env: overrides on top of ``os.environ`` (minus :data:`SUITE_ENV_VARS`);
             a value of None removes the variable (e.g. ``{"CUDA_HOME": None}``).
@@ -117,7 +117,7 @@ def run_suite(args: Sequence[str], report_dir: Path,
         else:
             full_env[key] = value
     argv = [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider",
-            "--report-dir", str(report_dir)]
+            "--tvc-report-dir", str(report_dir)]
     proc = subprocess.run(argv, cwd=REPO_ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout_s, check=False)
     summary_path = Path(report_dir) / "summary.json"
@@ -128,6 +128,7 @@ def run_suite(args: Sequence[str], report_dir: Path,
 
 if importlib.util.find_spec("xdist") is not None:
 
+    @pytest.hookimpl(optionalhook=True)  # -p no:xdist leaves the hook unknown
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         """Under ``-n N``, send each self-test file whole to one worker.
 

@@ -24,7 +24,7 @@ pt() {  # pt NAME PYTEST-ARGS...: one pytest run, its own run folder and log
   if [ "$left" -lt 30 ]; then echo "[$name] not run: ${left}s left"; return; fi
   # SIGINT first: pytest tears its fixtures (servers) down and writes its reports
   timeout --signal=INT --kill-after=20 "$left" \
-    python3 -m pytest -p no:cacheprovider --report-dir="$RESULTS/$name" -rA "$@" \
+    python3 -m pytest -p no:cacheprovider --tvc-report-dir="$RESULTS/$name" -rA "$@" \
     >"$RESULTS/$name.log" 2>&1
   local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s: $(grep -E '^=+ .*(passed|failed|skipped|error).* =+$' "$RESULTS/$name.log" | tail -1)"
@@ -48,43 +48,43 @@ case ${1:?phase: setup, tiers, trace or rerun} in
   tiers)
     build_profile
     (
-      pt level12 -m "level1 or level2" --require gpu
+      pt level12 -m "level1 or level2" --tvc-require gpu
       CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
-        pt build-preflight -m level1 -k build --profile="$RESULTS/example-build.toml"
-      pt contract-example -m contract --profile example --require gpu
-      pt contract-offload -m contract --profile cpu-offload --require gpu
+        pt build-preflight -m level1 -k build --tvc-profile="$RESULTS/example-build.toml"
+      pt contract-example -m contract --tvc-profile example --tvc-require gpu
+      pt contract-offload -m contract --tvc-profile cpu-offload --tvc-require gpu
     ) &
     (
-      pt e2e-example -m e2e --profile example --require gpu
-      pt e2e-offload -m e2e --profile cpu-offload --require gpu
-      pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
+      pt e2e-example -m e2e --tvc-profile example --tvc-require gpu
+      pt e2e-offload -m e2e --tvc-profile cpu-offload --tvc-require gpu
+      pt e2e-negative selftests/e2e/test_negative_control.py --tvc-require gpu
     ) &
     (
-      pt store -m "real_nvme or bandwidth" --profile lab-disk --require nvme
+      pt store -m "real_nvme or bandwidth" --tvc-profile lab-disk --tvc-require nvme
     ) &
     wait
     ;;
   trace)
-    pt trace-example -m trace --profile example --require gpu &
-    pt trace-offload -m trace --profile cpu-offload --require gpu &
+    pt trace-example -m trace --tvc-profile example --tvc-require gpu &
+    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu &
     wait
     ;;
   rerun)  # build preflight, e2e (example) and its negative control, beside the trace
     build_profile
     (
       CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
-        pt build-preflight -m level1 -k build --profile="$RESULTS/example-build.toml"
-      pt e2e-example -m e2e --profile example --require gpu
-      pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
+        pt build-preflight -m level1 -k build --tvc-profile="$RESULTS/example-build.toml"
+      pt e2e-example -m e2e --tvc-profile example --tvc-require gpu
+      pt e2e-negative selftests/e2e/test_negative_control.py --tvc-require gpu
     ) &
-    pt trace-example -m trace --profile example --require gpu &
-    pt trace-offload -m trace --profile cpu-offload --require gpu &
+    pt trace-example -m trace --tvc-profile example --tvc-require gpu &
+    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu &
     wait
     ;;
   final)  # one server at a time: concurrent vLLM starts race for GPU memory
-    pt e2e-negative selftests/e2e/test_negative_control.py --require gpu
-    pt trace-example -m trace --profile example --require gpu
-    pt trace-offload -m trace --profile cpu-offload --require gpu
+    pt e2e-negative selftests/e2e/test_negative_control.py --tvc-require gpu
+    pt trace-example -m trace --tvc-profile example --tvc-require gpu
+    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu
     ;;
   *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -66,8 +66,8 @@ def test_contract_tier_catches_known_bad_connector(cls, tmp_path) -> None:
                [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
-         "-k", select, "--profile", str(prof), "-p", "no:cacheprovider",
-         "-q", "--report-dir", str(tmp_path / "report")],
+         "-k", select, "--tvc-profile", str(prof), "-p", "no:cacheprovider",
+         "-q", "--tvc-report-dir", str(tmp_path / "report")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, (

@@ -110,8 +110,8 @@ def test_contract_replay_with_same_nonce_reproduces_and_leaves_no_store(
     for attempt in (1, 2):
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
-             "-k", REPLAYED, "--profile", str(profile), "-p", "no:cacheprovider",
-             "-p", "no:xdist", "-q", "--report-dir", str(tmp_path / f"r{attempt}")],
+             "-k", REPLAYED, "--tvc-profile", str(profile), "-p", "no:cacheprovider",
+             "-p", "no:xdist", "-q", "--tvc-report-dir", str(tmp_path / f"r{attempt}")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and re.search(r"^3 passed\b", out, re.M), (

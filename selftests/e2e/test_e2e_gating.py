@@ -27,8 +27,8 @@ def test_e2e_tier_skips_with_its_reason_without_gpu(tmp_path):
 
 
 def test_e2e_tier_fails_in_strict_mode_without_gpu(tmp_path):
-    run = run_suite(["suites/e2e", "-m", "e2e", "--require", "gpu"], tmp_path / "r")
+    run = run_suite(["suites/e2e", "-m", "e2e", "--tvc-require", "gpu"], tmp_path / "r")
     assert run.rc == 1, run.tail()
     for t in run.summary["tests"]:
         assert t["outcome"] == "error", t  # failed in setup, before any server
-        assert "strict mode (--require gpu)" in t["message"], t
+        assert "strict mode (--tvc-require gpu)" in t["message"], t

@@ -62,7 +62,7 @@ def test_two_pass_check_catches_a_connector_that_corrupts_loaded_kv(tmp_path):
     profile = write_profile(tmp_path)
     pythonpath = os.pathsep.join(
         p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    run = run_suite([TEST, "--profile", str(profile), "--require", "gpu"],
+    run = run_suite([TEST, "--tvc-profile", str(profile), "--tvc-require", "gpu"],
                     tmp_path / "report", env={"PYTHONPATH": pythonpath},
                     timeout_s=900)
     t = run.test("test_second_pass_is_served_from_connector_with_identical_output")

@@ -172,7 +172,7 @@ def test_no_process_outlives_a_failed_or_interrupted_run(tmp_path, mode):
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", str(test_file), "-p", "no:cacheprovider",
-             "--report-dir", str(tmp_path / "report"), "-q"],
+             "--tvc-report-dir", str(tmp_path / "report"), "-q"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         if mode == "sigint-during-start":

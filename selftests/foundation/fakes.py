@@ -67,7 +67,7 @@ def make_fake_vllm(base: Path, torch_req: str | None = None,
         extension_files: file names to create (empty) inside ``tree/vllm``.
 
     Returns:
-        (tree, site): put both on PYTHONPATH (tree first); set VLLM_SOURCE=tree.
+        (tree, site): put both on PYTHONPATH (tree first); set TVC_VLLM_SOURCE=tree.
     """
     tree = make_git_tree(base / "vllm-src", {
         "vllm/__init__.py": f'__version__ = "{FAKE_VLLM_VERSION}"\n',

@@ -50,24 +50,24 @@ def runs(tmp_path_factory) -> dict[str, SuiteRun]:
     dirs = {"TMPDIR": str(build_tmp), "PIP_CACHE_DIR": str(build_tmp / "pip")}
     cases: dict[str, tuple[list[str], dict[str, str | None]]] = {
         # nothing set; a huge free-space threshold
-        "unset": ([PREFLIGHT, "--profile", str(profile("unset", 1e9))],
+        "unset": ([PREFLIGHT, "--tvc-profile", str(profile("unset", 1e9))],
                   {"CUDA_HOME": None, "CUDAHOSTCXX": None, "CXX": None, **dirs}),
         # CUDA_HOME without bin/nvcc; CUDAHOSTCXX and CXX two different compilers
-        "no_nvcc": ([PREFLIGHT, "--profile", str(profile("no_nvcc", 0)), "-k",
+        "no_nvcc": ([PREFLIGHT, "--tvc-profile", str(profile("no_nvcc", 0)), "-k",
                      "cuda_home or host_compiler or free_space"],
                     {"CUDA_HOME": str(base / "cuda-empty"), "CUDAHOSTCXX": str(gcc12),
                      "CXX": str(gcc12_other), **dirs}),
         # nvcc 12.1 whose compiles fail like CUB's C++17 check; GCC 9.4 everywhere
-        "old": ([PREFLIGHT, "--profile", str(profile("old", 0))],
+        "old": ([PREFLIGHT, "--tvc-profile", str(profile("old", 0))],
                 {"CUDA_HOME": str(cuda_cxx17), "CUDAHOSTCXX": str(gcc9),
                  "CXX": str(gcc9), **dirs}),
         # nvcc warns "flag will be ignored" (the silent host-compiler fallback)
-        "ignored": ([PREFLIGHT, "--profile", str(profile("ignored", 0)), "-k",
+        "ignored": ([PREFLIGHT, "--tvc-profile", str(profile("ignored", 0)), "-k",
                      "cub"],
                     {"CUDA_HOME": str(cuda_ignored), "CUDAHOSTCXX": str(gcc12),
                      "CXX": str(gcc12), **dirs}),
         # positive control: a toolchain that is right in every way but the CUDA torch
-        "good": ([PREFLIGHT, "--profile", str(profile("good", 0)), "-k",
+        "good": ([PREFLIGHT, "--tvc-profile", str(profile("good", 0)), "-k",
                   "not nvcc_matches_torch"],
                  {"CUDA_HOME": str(cuda_good), "CUDAHOSTCXX": str(gcc12),
                   "CXX": str(gcc12), **dirs}),

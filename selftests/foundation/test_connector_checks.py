@@ -71,7 +71,7 @@ def runs(tmp_path_factory) -> dict[str, SuiteRun]:
         profile = fakes.minimal_profile(
             base / f"{case}.toml", base / f"scratch-{case}",
             connector={"name": name, "module_path": module, "extra_config": {}})
-        return run_suite([CONNECTOR_TESTS, "--profile", str(profile),
+        return run_suite([CONNECTOR_TESTS, "--tvc-profile", str(profile),
                           "-k", "resolves_as or every_abstract"],
                          base / f"report-{case}", env=env)
 
@@ -133,7 +133,7 @@ def test_profile_modules_import_failure_names_the_hint(tmp_path: Path) -> None:
         tmp_path / "p.toml", tmp_path / "scratch",
         imports={"modules": ["tvc_runtime_not_built"],
                  "hint": "build the C++ core and put $TUTTI_BUILD_DIR on PYTHONPATH"})
-    run = run_suite([CONNECTOR_TESTS, "--profile", str(profile), "-k",
+    run = run_suite([CONNECTOR_TESTS, "--tvc-profile", str(profile), "-k",
                      "profile_modules_import"], tmp_path / "r")
     t = run.test("test_profile_modules_import[tvc_runtime_not_built]")
     assert t["outcome"] == "failed", run.tail()

@@ -33,7 +33,7 @@ def runs(tmp_path_factory) -> dict[str, SuiteRun]:
 
     def one(case: str) -> SuiteRun:
         profile = fakes.minimal_profile(base / f"{case}.toml", base / f"scratch-{case}")
-        return run_suite([LEVEL2, "--profile", str(profile), "-k", "cpu_matches"],
+        return run_suite([LEVEL2, "--tvc-profile", str(profile), "-k", "cpu_matches"],
                          base / f"report-{case}",
                          env={"CXX": cases[case], "TORCHINDUCTOR_CACHE_DIR": None,
                               "TORCHINDUCTOR_FX_GRAPH_CACHE": None},

@@ -60,20 +60,20 @@ def test_malformed_profile_is_a_one_line_usage_error(case: str, tmp_path: Path) 
     text, must_contain = CASES[case]
     profile = tmp_path / f"{case}.toml"
     profile.write_text(text)
-    run = run_suite([ANCHOR, "--profile", str(profile)], tmp_path / "r",
+    run = run_suite([ANCHOR, "--tvc-profile", str(profile)], tmp_path / "r",
                     env={"TVC_SELFTEST_UNSET_VAR": None})
     _assert_one_line_usage_error(run, must_contain, str(profile))
 
 
 def test_unknown_builtin_profile_lists_the_known_ones(tmp_path: Path) -> None:
-    run = run_suite([ANCHOR, "--profile", "no-such-profile"], tmp_path / "r")
+    run = run_suite([ANCHOR, "--tvc-profile", "no-such-profile"], tmp_path / "r")
     _assert_one_line_usage_error(
         run, ("no such built-in profile", "example", "cpu-offload", "tutti"),
         "profile 'no-such-profile'")
 
 
 def test_bad_profile_from_environment_variable(tmp_path: Path) -> None:
-    """``$TVC_PROFILE`` selects the profile when ``--profile`` is absent."""
+    """``$TVC_PROFILE`` selects the profile when ``--tvc-profile`` is absent."""
     profile = tmp_path / "env.toml"
     profile.write_text(CASES["unknown_key"][0])
     run = run_suite([ANCHOR], tmp_path / "r", env={"TVC_PROFILE": str(profile)})
@@ -81,13 +81,13 @@ def test_bad_profile_from_environment_variable(tmp_path: Path) -> None:
 
 
 def test_profile_outside_the_repo_with_equals_form(tmp_path: Path) -> None:
-    """``--profile=PATH`` works with no test path in the repo on the command line.
+    """``--tvc-profile=PATH`` works with no test path in the repo on the command line.
 
-    (``--profile PATH`` with PATH outside the repo and no other path argument makes
+    (``--tvc-profile PATH`` with PATH outside the repo and no other path argument makes
     pytest pick PATH's folder as rootdir before the suite's conftest is loaded; the
     ``=`` form or ``$TVC_PROFILE`` avoids that.)
     """
     profile = tmp_path / "p.toml"
     profile.write_text(CASES["wrong_type"][0])
-    run = run_suite([f"--profile={profile}"], tmp_path / "r")
+    run = run_suite([f"--tvc-profile={profile}"], tmp_path / "r")
     _assert_one_line_usage_error(run, ("bandwidth.num_disks",), str(profile))

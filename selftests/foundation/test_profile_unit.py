@@ -191,7 +191,7 @@ def test_tutti_profile_is_the_documented_config() -> None:
 
 
 def test_selection_order(monkeypatch) -> None:
-    """``--profile`` beats ``$TVC_PROFILE``, which beats the default (example)."""
+    """``--tvc-profile`` beats ``$TVC_PROFILE``, which beats the default (example)."""
     monkeypatch.delenv("TVC_PROFILE", raising=False)
     assert load(None, env={}).name == "example"
     monkeypatch.setenv("TVC_PROFILE", "cpu-offload")

@@ -1,7 +1,7 @@
-"""Strict mode (``--require``) and the run reports (junit.xml + summary.json).
+"""Strict mode (``--tvc-require``) and the run reports (junit.xml + summary.json).
 
 Two suite runs against the real installed vLLM are shared by all tests here: a serial
-one in strict mode (``--require gpu``; this box has no GPU) and one with ``-n 2``
+one in strict mode (``--tvc-require gpu``; this box has no GPU) and one with ``-n 2``
 without it. Both select passing, skipping and GPU tests so every outcome appears.
 """
 
@@ -33,8 +33,8 @@ def runs(tmp_path_factory) -> dict[str, SuiteRun]:
         xdist_args = ["-n", "2"]
     except ImportError:
         xdist_args = []
-    cases = {"strict": [*ARGS, "--require", "gpu"], "xdist": [*ARGS, *xdist_args]}
-    env = {"VLLM_SOURCE": None}  # the source-tree checks skip: a third outcome
+    cases = {"strict": [*ARGS, "--tvc-require", "gpu"], "xdist": [*ARGS, *xdist_args]}
+    env = {"TVC_VLLM_SOURCE": None}  # the source-tree checks skip: a third outcome
 
     def one(case: str) -> SuiteRun:
         return run_suite(cases[case], base / f"report-{case}", env=env)
@@ -56,7 +56,7 @@ def test_strict_mode_turns_gpu_skip_into_failure(runs) -> None:
     _no_gpu(run)
     t = run.test(GPU_TEST)
     assert t["outcome"] in ("failed", "error"), run.tail()
-    assert "strict mode (--require gpu): no CUDA GPU" in t["message"]
+    assert "strict mode (--tvc-require gpu): no CUDA GPU" in t["message"]
     assert "Fix: run this tier on a GPU host" in t["message"]
     assert run.summary["run"]["require"] == ["gpu"]
     assert run.rc == 1
@@ -77,15 +77,25 @@ def test_strict_mode_from_environment(tmp_path) -> None:
     _no_gpu(run)
     t = run.test("test_torch_compile_cuda_matches_eager")
     assert t["outcome"] in ("failed", "error")
-    assert "strict mode (--require gpu)" in t["message"]
+    assert "strict mode (--tvc-require gpu)" in t["message"]
 
 
-def test_unknown_required_level_is_a_usage_error(tmp_path) -> None:
-    run = run_suite(["suites/level1/test_vllm_install.py", "--require", "gpu,bogus"],
-                    tmp_path / "r")
+def test_unknown_required_level_is_an_argparse_error_naming_the_option(tmp_path
+                                                                       ) -> None:
+    run = run_suite(["suites/level1/test_vllm_install.py", "--tvc-require",
+                     "gpu,bogus"], tmp_path / "r")
+    assert run.rc == 4 and run.summary is None
+    assert ("error: argument --tvc-require: unknown hardware level 'bogus' "
+            "(known: gpu, nvme, all)") in run.stdout, run.tail()
+    assert "Traceback" not in run.stdout
+
+
+def test_unknown_required_level_from_environment_is_one_line(tmp_path) -> None:
+    run = run_suite(["suites/level1/test_vllm_install.py"], tmp_path / "r",
+                    env={"TVC_REQUIRE": "gpu,bogus"})
     assert run.rc == 4 and run.summary is None
     lines = [line for line in run.stdout.splitlines() if line.strip()]
-    assert lines == ["ERROR: --require: unknown hardware level 'bogus' "
+    assert lines == ["ERROR: TVC_REQUIRE: unknown hardware level 'bogus' "
                      "(known: gpu, nvme, all)"]
 
 
@@ -133,7 +143,7 @@ def test_per_test_properties_in_both_reports(runs, case) -> None:
 
 
 def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
-    """Without --report-dir the run writes <reports root>/<time>-<profile>/.
+    """Without --tvc-report-dir the run writes <reports root>/<time>-<profile>/.
 
     ``reports/latest`` then points at it. The reports root is moved under tmp_path
     with ``TVC_REPORTS_ROOT`` (tvc/report.py), so this self-test leaves no run
@@ -145,7 +155,7 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
         [sys.executable, "-m", "pytest", "suites/level1/test_vllm_install.py", "-k",
          "source_tree", "-p", "no:cacheprovider"], cwd=REPO_ROOT, capture_output=True,
         text=True, check=False,
-        env={**env, "VLLM_SOURCE": "", "TVC_REPORTS_ROOT": str(root)})
+        env={**env, "TVC_VLLM_SOURCE": "", "TVC_REPORTS_ROOT": str(root)})
     # the header and the last line name the run folder
     lines = [x for x in proc.stdout.splitlines() if x.startswith("reports: ")]
     assert lines, f"no 'reports:' line in the output:\n{proc.stdout[-3000:]}"

@@ -31,7 +31,7 @@ def _index_fingerprint(tree: Path) -> tuple[int, str, list[str]]:
 def test_real_vllm_outside_configured_tree_fails(tmp_path: Path) -> None:
     tree = fakes.make_git_tree(tmp_path / "checkout", {"README.md": "not vLLM\n"})
     run = run_suite([INSTALL_TESTS, "-k", "configured_source_tree"], tmp_path / "r",
-                    env={"VLLM_SOURCE": str(tree)})
+                    env={"TVC_VLLM_SOURCE": str(tree)})
     t = run.test("test_vllm_is_the_configured_source_tree")
     assert t["outcome"] == "failed", run.tail()
     msg = t["message"]
@@ -59,7 +59,7 @@ def clean_run(fake_tree, tmp_path_factory) -> tuple[SuiteRun, tuple, tuple]:
     run = run_suite(
         [INSTALL_TESTS, EXT_TESTS, "-k", "not test_vllm_imports"],
         tmp_path_factory.mktemp("report"),
-        env={"VLLM_SOURCE": str(tree), "PYTHONPATH": fakes.pythonpath(tree, site)})
+        env={"TVC_VLLM_SOURCE": str(tree), "PYTHONPATH": fakes.pythonpath(tree, site)})
     return run, before, _index_fingerprint(tree)
 
 
@@ -94,7 +94,7 @@ def test_modified_tracked_file_fails_naming_it(clean_run, fake_tree,
     (tree / "vllm" / "config.py").write_text("# a local patch to vLLM\n")
     before = _index_fingerprint(tree)
     run = run_suite([INSTALL_TESTS, "-k", "no_modified_tracked_files"], tmp_path / "r",
-                    env={"VLLM_SOURCE": str(tree),
+                    env={"TVC_VLLM_SOURCE": str(tree),
                          "PYTHONPATH": fakes.pythonpath(tree, site)})
     t = run.test("test_source_tree_has_no_modified_tracked_files")
     assert t["outcome"] == "failed", run.tail()
@@ -110,7 +110,7 @@ def test_torch_pin_and_requires_python_mismatch_fail(tmp_path: Path) -> None:
         tmp_path / "fake", torch_req="torch==9.9.9",
         requires_python=fakes.excluding_python_spec())
     run = run_suite([INSTALL_TESTS, "-k", "torch_matches or requires_python"],
-                    tmp_path / "r", env={"VLLM_SOURCE": str(tree),
+                    tmp_path / "r", env={"TVC_VLLM_SOURCE": str(tree),
                                          "PYTHONPATH": fakes.pythonpath(tree, site)})
     import importlib.metadata as md
     import platform

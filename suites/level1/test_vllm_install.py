@@ -26,12 +26,12 @@ def _source_tree() -> Path:
     if not tree:
         pytest.skip(
             f"profile {state().profile.name} names no vLLM source tree "
-            "(vllm.source_tree); export VLLM_SOURCE=/path/to/vllm to check an "
+            "(vllm.source_tree); export TVC_VLLM_SOURCE=/path/to/vllm to check an "
             "editable install")
     path = Path(tree).expanduser().resolve()
     if not path.is_dir():
-        pytest.fail(f"vllm.source_tree {tree} is not a directory: set VLLM_SOURCE to "
-                    "the vLLM checkout", pytrace=False)
+        pytest.fail(f"vllm.source_tree {tree} is not a directory: set "
+                    "TVC_VLLM_SOURCE to the vLLM checkout", pytrace=False)
     return path
 
 

@@ -15,7 +15,7 @@ from tvc.contract.invariants import (
     assert_metadata_survives_serialization,
 )
 from tvc.contract.serialization import round_trip
-from tvc.contract.worker import JobAckWorker
+from tvc.contract.worker import JobAckWorker, unwrap_metadata
 
 
 # ---------------------------------------------------------------------------- driver
@@ -88,7 +88,7 @@ class EngineDriver:
             meta = round_trip(meta)
         if self.worker is None and meta is not None and JobAckWorker.applies_to(
                 meta):
-            self.worker = JobAckWorker(type(meta).__module__)
+            self.worker = JobAckWorker(type(unwrap_metadata(meta)).__module__)
         kv_out = self.worker.execute(so, meta) if (
             self.worker is not None and meta is not None) else None
         if kv_out is not None and kv_out.finished_recving:

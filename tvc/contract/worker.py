@@ -189,6 +189,8 @@ class ConnectorWorker:
         self.tokens: dict[str, list[int]] = {}
         self.load_errors: list[str] = []
         self.loaded: dict[str, int] = {}
+        self.reported_invalid_blocks: set[int] = set()
+        self.reported_loads: dict[str, int] = {}
 
     def zero(self) -> None:
         """Zero every KV tensor (the load must then restore exactly the hit)."""
@@ -288,6 +290,7 @@ class ConnectorWorker:
                 c.wait_for_layer_load(name)
             # Tokens the scheduler counts as computed but this step does not
             # compute were loaded by the connector: verify them before attention.
+            suspect: list[tuple[str, int, str]] = []
             for rid, start, _end in work:
                 if rid in self.loaded:
                     continue
@@ -295,7 +298,7 @@ class ConnectorWorker:
                 if start > 0:
                     msg = self.verify_range(rid, 0, start)
                     if msg:
-                        self.load_errors.append(f"request {rid}: {msg}")
+                        suspect.append((rid, start, msg))
             for rid, start, end in work:
                 self.write_pattern(rid, start, end)
             for name in self.names:
@@ -309,7 +312,32 @@ class ConnectorWorker:
             if hasattr(c, "build_connector_worker_meta"):
                 out.kv_connector_worker_meta = c.build_connector_worker_meta()
             c.clear_connector_metadata()
+        self._judge_loads(suspect, set(out.invalid_block_ids or ()))
         return out
+
+    def _judge_loads(self, suspect: list[tuple[str, int, str]],
+                     invalid: set[int]) -> None:
+        """Record load errors, excusing blocks the connector reported as failed.
+
+        A mismatch at or after the first block the connector reported through
+        ``get_block_ids_with_load_errors`` in this pass is a reported failure
+        (vLLM recomputes or fails the request); one before it is a load error.
+        """
+        if invalid:
+            self.reported_invalid_blocks |= invalid
+        for rid, start, msg in suspect:
+            table = self.block_table.get(rid, [])
+            first = next((i for i, b in enumerate(table[: -(-start // self.block_size)])
+                          if b in invalid), None)
+            if first is None:
+                self.load_errors.append(f"request {rid}: {msg}")
+                continue
+            self.reported_loads[rid] = first * self.block_size
+            cut = min(start, first * self.block_size)
+            msg = self.verify_range(rid, 0, cut) if cut else ""
+            if msg:
+                self.load_errors.append(f"request {rid}: {msg} (before the first "
+                                        "block reported as failed)")
 
 
 class JobAckWorker:
@@ -337,17 +365,36 @@ class JobAckWorker:
         self.pending: list[tuple[int, str | None]] = []
         self.loaded: dict[str, int] = {}
         self.load_errors: list[str] = []
+        self.await_recv: dict[str, list[int]] = {}
+        self.reported_invalid_blocks: set[int] = set()
 
     @staticmethod
     def applies_to(meta: Any) -> bool:
         """Whether ``meta`` speaks the job protocol this stand-in acknowledges."""
+        meta = unwrap_metadata(meta)
         return isinstance(getattr(meta, "load_jobs", None), dict) and isinstance(
             getattr(meta, "store_jobs", None), dict)
 
     def execute(self, so: Any, meta: Any) -> Any:
-        """Acknowledge last step's jobs; queue this step's (see class doc)."""
+        """Acknowledge last step's jobs; queue this step's (see class doc).
+
+        Under :class:`tvc.faults.FaultInjectingConnector` the faults it planned
+        with reporting on are reported as vLLM expects: a synchronous load's in
+        this pass, an asynchronous load's in the pass that finishes receiving it.
+        """
         from vllm.v1.outputs import KVConnectorOutput
 
+        faults = getattr(meta, "faults", None) if meta is not unwrap_metadata(
+            meta) else None
+        report = bool(faults) and getattr(meta, "report", False)
+        invalid: set[int] = set()
+        if report:
+            for rid, blocks in faults.items():
+                if rid in meta.async_reqs:
+                    self.await_recv[rid] = list(blocks)
+                else:
+                    invalid.update(blocks)
+        meta = unwrap_metadata(meta)
         out = KVConnectorOutput()
         done = self.pending
         self.pending = [(j, job.req_id) for j, job in meta.load_jobs.items()] + [
@@ -358,5 +405,17 @@ class JobAckWorker:
                 wm.mark_completed(job_id)
             out.kv_connector_worker_meta = wm
             out.finished_recving = {rid for _, rid in done if rid is not None}
+            for rid in out.finished_recving:
+                invalid.update(self.await_recv.pop(rid, ()))
         out.finished_sending = set()
+        if invalid:
+            out.invalid_block_ids = invalid
+            self.reported_invalid_blocks |= invalid
         return out
+
+
+def unwrap_metadata(meta: Any) -> Any:
+    """The connector-under-test's metadata inside a fault wrapper's (else ``meta``)."""
+    from tvc.faults import FaultMetadata
+
+    return meta.inner if isinstance(meta, FaultMetadata) else meta

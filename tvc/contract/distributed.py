@@ -1,0 +1,163 @@
+"""vLLM's distributed environment for a harness process (tensor parallelism).
+
+A worker-side contract harness at tensor-parallel size N runs N processes, one per
+rank. Each must initialise vLLM's distributed state the way vLLM's GPU worker does
+(``vllm/v1/worker/gpu_worker.py`` ``init_worker_distributed_environment``):
+``init_distributed_environment`` (the world group) and then
+``ensure_model_parallel_initialized`` (the TP, PP, DCP, PCP, DP groups), both from
+``vllm.distributed.parallel_state``, under ``set_current_vllm_config`` because
+``initialize_model_parallel`` reads the parallel layout from the current config.
+Connectors then see ``get_tensor_model_parallel_rank()`` / ``get_tp_group()`` as
+they do in a served engine.
+
+:func:`vllm_distributed` does exactly that and tears it down again
+(``destroy_model_parallel`` and ``destroy_distributed_environment``). The
+``torch.distributed`` environment variables (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) are set only inside the context and
+restored afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+__all__ = ["DistributedSetupError", "free_init_method", "vllm_distributed"]
+
+_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+class DistributedSetupError(RuntimeError):
+    """The harness could not set up vLLM's distributed state.
+
+    Bad arguments, a ``torch.distributed`` group already initialised in the
+    process, or a backend missing from the torch build.
+    """
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` rendezvous address on a port free right now.
+
+    The parent process picks it once and passes it to every rank, so that all
+    ranks of one world meet at the same address.
+
+    Args:
+        host: loopback by default (all ranks run on this machine).
+
+    Returns:
+        ``"tcp://<host>:<port>"``.
+
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+def _host_port(init_method: str) -> tuple[str, str]:
+    """(MASTER_ADDR, MASTER_PORT) for a ``tcp://`` address; loopback otherwise."""
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        return host, port
+    return "127.0.0.1", "0"
+
+
+@contextmanager
+def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
+                     init_method: str | None = None, *,
+                     vllm_config: Any | None = None) -> Iterator[Any]:
+    """Initialise vLLM's distributed environment and model-parallel groups.
+
+    Tensor-parallel size = ``world_size``; pipeline, context and data parallel
+    sizes are 1. Call it once per process, in every rank's process, with the same
+    ``world_size`` and ``init_method``.
+
+    Args:
+        world_size: number of ranks (the TP size). 1 works in-process.
+        rank: this process's rank in ``[0, world_size)``; also its local rank
+            (one machine) and, with ``nccl``, its CUDA device index.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors). vLLM always
+            adds a gloo CPU group next to the device group.
+        init_method: ``tcp://host:port`` or ``file:///path`` rendezvous shared by
+            all ranks. ``None``: a free loopback port (world size 1 only; larger
+            worlds need one address chosen by the parent, see
+            :func:`free_init_method`).
+        vllm_config: the ``VllmConfig`` made current while the groups are built
+            (its ``parallel_config.tensor_parallel_size`` should equal
+            ``world_size``); default: the current config if one is set, else a
+            bare CPU/CUDA ``VllmConfig``. It stays current inside the context.
+
+    Yields:
+        vLLM's TP ``GroupCoordinator`` (``get_tp_group()``): ``rank_in_group``,
+        ``world_size``, ``all_reduce``, ``cpu_group``, ``device_group``.
+
+    Raises:
+        DistributedSetupError: ``world_size`` < 1, ``rank`` out of range, no
+            ``init_method`` for ``world_size`` > 1, ``torch.distributed`` already
+            initialised in this process, or the backend is unavailable.
+
+    """
+    import torch
+    import torch.distributed as dist
+    from vllm.config import (
+        DeviceConfig,
+        VllmConfig,
+        get_current_vllm_config_or_none,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import parallel_state as ps
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DistributedSetupError(
+            f"vllm_distributed: rank {rank} is not in [0, world_size={world_size})")
+    if init_method is None:
+        if world_size > 1:
+            raise DistributedSetupError(
+                f"vllm_distributed: world_size {world_size} needs one init_method "
+                "shared by every rank (pick it in the parent with free_init_method())")
+        init_method = free_init_method()
+    if dist.is_initialized():
+        raise DistributedSetupError(
+            "vllm_distributed: torch.distributed is already initialised in this "
+            "process; run each harness world in its own process")
+    if not dist.is_backend_available(backend):
+        raise DistributedSetupError(
+            f"vllm_distributed: torch.distributed backend {backend!r} is not "
+            "available in this torch build (use 'gloo' on CPU, 'nccl' on CUDA)")
+    if backend == "nccl":
+        if not torch.cuda.is_available() or torch.cuda.device_count() <= rank:
+            raise DistributedSetupError(
+                f"vllm_distributed: backend 'nccl' for rank {rank} needs CUDA device "
+                f"{rank}; torch sees {torch.cuda.device_count()} device(s)")
+        torch.cuda.set_device(rank)
+
+    config = vllm_config or get_current_vllm_config_or_none()
+    if config is None:
+        config = VllmConfig(device_config=DeviceConfig(
+            "cuda" if backend == "nccl" else "cpu"))
+    host, port = _host_port(init_method)
+    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    same = config is get_current_vllm_config_or_none()
+    try:
+        with nullcontext() if same else set_current_vllm_config(config):
+            try:
+                ps.init_distributed_environment(
+                    world_size=world_size, rank=rank,
+                    distributed_init_method=init_method, local_rank=rank,
+                    backend=backend)
+                ps.ensure_model_parallel_initialized(world_size, 1)
+                yield ps.get_tp_group()
+            finally:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -3,6 +3,7 @@
 The plugin (:mod:`tvc.plugin`) is normally registered through the ``pytest11`` entry
 point of the installed package; a checkout that is not installed (or a run with
 plugin autoloading disabled) loads it from here.
+:mod:`tvc.compat_report` (an unsupported vLLM is an error) is always loaded here.
 The fixture modules are plain pytest plugins in ``fixtures/``. The repository root is
 put on ``sys.path`` so that they load under every ``--import-mode`` (``importlib``
 does not add it).
@@ -26,4 +27,5 @@ pytest_plugins = ([] if _LOADED else ["tvc.plugin"]) + [
     "fixtures.contract",
     "fixtures.daemon",
     "fixtures.store",
+    "tvc.compat_report",  # HarnessIncompatible -> an error, never a failure
 ]

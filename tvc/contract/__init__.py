@@ -20,10 +20,14 @@ read as "build, act, check":
   transfer job of the scheduler-side metadata as completed.
 
 Nothing here names a connector: capabilities come from the profile and from feature
-detection on the installed vLLM (``hasattr`` / ``inspect.signature``).
+detection on the installed vLLM (``hasattr`` / ``inspect.signature``). Every
+difference between vLLM versions the harness handles lives in
+:mod:`tvc.contract.compat`; an API it lacks raises
+:class:`~tvc.contract.compat.HarnessIncompatible` (reported as an error).
 """
 
 from tvc.contract.builders import *  # noqa: F403
+from tvc.contract.compat import *  # noqa: F403
 from tvc.contract.driver import *  # noqa: F403
 from tvc.contract.invariants import *  # noqa: F403
 from tvc.contract.rig import *  # noqa: F403

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tvc.contract import compat
 from tvc.profile import Profile
 from tvc.run_store import isolate_store_paths
 
@@ -140,35 +141,34 @@ def layer_names(vllm_config: Any) -> list[str]:
 
 def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
                          ) -> Any:
-    """A real ``KVCacheConfig``: one full-attention group, one tensor per layer.
+    """A real ``KVCacheConfig``: one full-attention group over every layer.
+
+    Built by vLLM's own ``get_kv_cache_config_from_groups`` as the engine core
+    builds it, through :func:`tvc.contract.compat.build_kv_cache_config` (which
+    knows where that function lives and which fields the engine fills in each
+    vLLM version).
 
     Args:
         vllm_config: from :func:`make_vllm_config`.
         num_blocks: KV blocks per layer (the pool's real capacity).
 
     Returns:
-        ``vllm.v1.kv_cache_interface.KVCacheConfig`` whose tensors have the byte size
-        ``num_blocks * page_size_bytes`` of the layer's ``FullAttentionSpec``.
+        ``vllm.v1.kv_cache_interface.KVCacheConfig`` with ``num_blocks`` blocks of
+        the layers' ``FullAttentionSpec`` pages.
+
+    Raises:
+        tvc.contract.compat.HarnessIncompatible: this vLLM cannot be driven.
 
     """
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     mc = vllm_config.model_config
     spec = FullAttentionSpec(
         block_size=vllm_config.cache_config.block_size,
         num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
         head_size=mc.get_head_size(), dtype=mc.dtype)
-    names = layer_names(vllm_config)
-    tensors = [KVCacheTensor(size=spec.page_size_bytes * num_blocks,
-                             shared_by=[name]) for name in names]
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    return compat.build_kv_cache_config(vllm_config, spec, layer_names(vllm_config),
+                                        num_blocks)
 
 
 def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
@@ -184,14 +184,10 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
     """
     from vllm.config import set_current_vllm_config
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     kv_cache_config = kv_cache_config or make_kv_cache_config(vllm_config)
     with set_current_vllm_config(vllm_config):
-        return Scheduler(
-            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=vllm_config.cache_config.block_size, log_stats=True)
+        return Scheduler(**compat.scheduler_kwargs(vllm_config, kv_cache_config))
 
 
 _REQ_COUNTER = itertools.count(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tvc.contract import compat
 from tvc.contract.builders import SAMPLED_TOKEN_ID
 from tvc.contract.invariants import (
     assert_match_within_prompt,
@@ -76,8 +77,6 @@ class EngineDriver:
             the ``SchedulerOutput``.
 
         """
-        from vllm.v1.outputs import ModelRunnerOutput
-
         sched = self.scheduler
         so = sched.schedule()
         meta = so.kv_connector_metadata
@@ -102,11 +101,7 @@ class EngineDriver:
             req_ids.append(rid)
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([SAMPLED_TOKEN_ID] if done_prefill else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=[None] * len(req_ids) if _pooler_is_list() else None,
-            kv_connector_output=kv_out)
+        mro = compat.model_runner_output(req_ids, sampled, kv_out)
         sched.update_from_output(so, mro)
         self.history.append(StepRecord(dict(so.num_scheduled_tokens),
                                        type(meta).__name__,
@@ -183,18 +178,6 @@ class EngineDriver:
         """Add ``requests`` and run to completion."""
         self.add(*requests)
         self.run_until_idle()
-
-
-def _pooler_is_list() -> bool:
-    import inspect
-
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    try:
-        ann = inspect.signature(ModelRunnerOutput).parameters["pooler_output"]
-    except (KeyError, ValueError):
-        return False
-    return "None" not in str(ann.annotation) and "list" in str(ann.annotation)
 
 
 def external_hit(driver: EngineDriver, request: Any) -> tuple[int, int, bool]:

@@ -8,64 +8,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
+from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
+from tvc.contract.compat import attention_backend as attention_backend
+from tvc.contract.compat import forward_context
 
 # --------------------------------------------------------------- KV cache + pattern
-def attention_backend() -> type:
-    """The attention backend whose KV layout the worker harness uses.
-
-    FlashAttention is what vLLM picks for a Llama model on an NVIDIA GPU; its
-    ``get_kv_cache_shape`` / ``get_kv_cache_stride_order`` are pure functions, so
-    the same layout is used on CPU.
-    """
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-
-    return FlashAttentionBackend
-
-
-def allocate_kv_caches(vllm_config: Any, kv_cache_config: Any, device: str
-                       ) -> dict[str, Any]:
-    """Allocate one zeroed KV tensor per layer exactly as the model runner does.
-
-    The raw buffer is allocated in the backend's physical (stride-ordered) shape
-    and viewed back in the logical shape by the inverse permutation, as
-    ``GPUModelRunner._reshape_kv_cache_tensors`` does.
-
-    Args:
-        vllm_config: the config (model dtype, block size, connector layout).
-        kv_cache_config: from :func:`make_kv_cache_config`.
-        device: ``cpu`` or ``cuda``.
-
-    Returns:
-        layer name -> tensor of the backend's logical shape
-        ``get_kv_cache_shape(num_blocks, B, H, D)``, dtype = model dtype.
-
-    """
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends import utils as attn_utils
-
-    backend = attention_backend()
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    shape = backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec.block_size,
-                                       spec.num_kv_heads, spec.head_size)
-    with set_current_vllm_config(vllm_config):
-        attn_utils.get_kv_cache_layout.cache_clear()
-        try:
-            order = backend.get_kv_cache_stride_order()
-        except (AttributeError, NotImplementedError):
-            order = tuple(range(len(shape)))
-        finally:
-            attn_utils.get_kv_cache_layout.cache_clear()
-    inv = [order.index(i) for i in range(len(order))]
-    out = {}
-    for name in group.layer_names:
-        raw = torch.zeros([shape[i] for i in order], dtype=spec.dtype, device=device)
-        out[name] = raw.permute(*inv)
-    return out
+# The attention backend, the KV allocation and the forward context differ between
+# vLLM versions: they live in tvc.contract.compat (re-exported here).
 
 
 def token_view(kv: Any, block_ids: Any, offsets: Any) -> Any:
@@ -180,11 +131,7 @@ class ConnectorWorker:
             self.connector = KVConnectorFactory.create_connector(
                 vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             self.connector.register_kv_caches(self.kv_caches)
-        self.forward_context = SimpleNamespace(
-            no_compile_layers={n: SimpleNamespace(kv_cache=t)
-                               for n, t in self.kv_caches.items()},
-            attn_metadata={n: SimpleNamespace(layer_name=n) for n in self.names},
-            virtual_engine=0)
+        self.forward_context = forward_context(self.kv_caches)
         self.block_table: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.load_errors: list[str] = []

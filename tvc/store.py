@@ -44,6 +44,7 @@ cross-process check starts (see :func:`run_store_worker`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import mmap
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from tvc import run_store
 from tvc.profile import REPO_ROOT
 
 ALIGN = 4096  # bytes: O_DIRECT and GDS alignment (GPU page size, per kvikio's docs)
@@ -138,8 +140,26 @@ def _nbytes(t: Any) -> int:
 
 
 def create_pool(file: Path, pool_bytes: int) -> None:
-    """Create (or grow) ``file`` to ``pool_bytes`` rounded up to ALIGN, allocated."""
-    file.parent.mkdir(parents=True, exist_ok=True)
+    """Create (or grow) ``file`` to ``pool_bytes`` rounded up to ALIGN, allocated.
+
+    The suite only writes and removes pools it made: a new pool gets an ownership
+    marker (:func:`tvc.run_store.mark_file_owned`), a missing folder is made with
+    one; an existing file without the marker is refused (inside ``<repo>/.scratch``,
+    the suite's own area, a pool from before markers is adopted).
+
+    Raises:
+        StoreError: ``file`` exists and the suite did not make it.
+
+    """
+    if not file.parent.exists():
+        with contextlib.suppress(FileExistsError):
+            run_store.make_owned_dir(file.parent)
+    if file.exists() and not run_store.file_owned(file) and not file.resolve(
+            ).is_relative_to(REPO_ROOT / ".scratch"):
+        raise StoreError(f"{file} exists and was not created by the suite (no "
+                         f"{run_store.file_marker(file).name}); move it away or "
+                         "choose another [store] path")
+    run_store.mark_file_owned(file)
     want = _round_up(pool_bytes)
     fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -309,11 +329,9 @@ class PosixStore:
 
 
 def _remove_pool(file: Path) -> None:
-    file.unlink(missing_ok=True)
-    try:
-        file.parent.rmdir()  # only when empty
-    except OSError:
-        pass
+    """Remove a pool the suite made (marker beside it), and its folder if ours."""
+    run_store.remove_owned_file(file)
+    run_store.remove_if_only_marker(file.parent)
 
 
 def open_posix_store(path: Path, pool_bytes: int, direct: bool = True) -> PosixStore:

@@ -80,16 +80,33 @@ def test_session_folder_is_stable_then_removed(tmp_path: Path) -> None:
     assert not (scratch / rs.STORES_DIRNAME).exists()
 
 
+def _suite_made(folder: Path, pid: int) -> Path:
+    """A store folder as a session of process ``pid`` made it (marker included)."""
+    rs.make_owned_dir(folder, folder.name.split("-", 1)[1])
+    marker = folder / rs.OWNER_MARKER
+    marker.write_text(marker.read_text().replace(f'"pid": {os.getpid()}',
+                                                 f'"pid": {pid}'))
+    (folder / "example-store").mkdir()
+    return folder
+
+
 def test_folders_of_dead_runs_are_removed_live_ones_kept(tmp_path: Path) -> None:
     parent = tmp_path / "scratch" / rs.STORES_DIRNAME
     dead_pid = 2**22 + 12345  # above Linux's default pid_max of 4194304
-    dead = parent / f"{dead_pid}-deadbeef"
-    alive = parent / f"{os.getppid()}-cafecafe"
+    dead = _suite_made(parent / f"{dead_pid}-deadbeef", dead_pid)
+    alive = _suite_made(parent / f"{os.getppid()}-cafecafe", os.getppid())
     foreign = parent / "keep-me"
-    for d in (dead, alive, foreign):
+    # a dead pid's folder the suite did not make (no marker), and one whose marker
+    # names another folder: both are someone else's and must survive
+    unmarked = parent / f"{dead_pid + 1}-feedf00d"
+    copied = parent / f"{dead_pid + 2}-0badc0de"
+    for d in (foreign, unmarked, copied):
         (d / "example-store").mkdir(parents=True)
+    (copied / rs.OWNER_MARKER).write_text((dead / rs.OWNER_MARKER).read_text())
     assert rs.remove_orphaned_stores(tmp_path / "scratch") == [dead]
-    assert not dead.exists() and alive.is_dir() and foreign.is_dir()
+    assert not dead.exists()
+    for kept in (alive, foreign, unmarked, copied):
+        assert (kept / "example-store").is_dir(), kept
 
 
 def _replay_profile(tmp_path: Path) -> Path:

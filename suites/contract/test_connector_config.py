@@ -2,7 +2,8 @@
 
 vLLM's factory creates the connector; the failure message names what is wrong.
 
-Required keys come from the profile (``connector.required_extra_config_keys``);
+Required keys come from the profile (``connector.required_extra_config_keys``; a
+dotted key such as ``store.options.num_chunks`` names a nested table entry);
 type and sign checks apply to the keys it lists in ``connector.size_keys`` (byte
 sizes the connector must validate; vLLM's own OffloadingConnector checks only the
 presence of ``cpu_bytes_to_use``, so its profile lists none).
@@ -15,6 +16,7 @@ import copy
 import pytest
 
 from tvc import contract as C
+from tvc.profile import pop_extra_config_key
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
@@ -49,13 +51,14 @@ def test_missing_required_key_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key) -> None:
     _need(key)
     ktc = copy.deepcopy(contract_profile.kv_transfer_config())
-    ktc["kv_connector_extra_config"].pop(key, None)
+    pop_extra_config_key(ktc["kv_connector_extra_config"], key)  # dotted: nested
     err = _create(contract_profile, contract_scratch, ktc)
     assert err, (f"the connector was created without the required extra-config key "
                  f"{key!r}: it accepted a missing {key} instead of failing at "
                  "creation. Validate required keys in the connector's __init__")
-    assert key in err, (f"creating the connector without {key!r} failed, but the "
-                        f"message does not name the key: {err[:300]}")
+    leaf = key.rsplit(".", 1)[-1]
+    assert leaf in err, (f"creating the connector without {key!r} failed, but the "
+                         f"message does not name the key: {err[:300]}")
 
 
 @pytest.mark.parametrize("bad", ["not-a-number", -1], ids=["wrong_type", "negative"])

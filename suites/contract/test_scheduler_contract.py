@@ -52,7 +52,7 @@ def test_cold_prompt_matches_nothing(rig_factory) -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
                                                block_size, record_property) -> None:
-    rule = contract_profile["connector"]["hit_rule"]
+    rule, source = contract_profile.select_hit_rule()  # hit_rules by vLLM version
     if not rule:
         pytest.skip(f"profile {contract_profile.name} declares no connector.hit_rule; "
                     "add the connector's rule (an expression of len and B) with its "
@@ -66,7 +66,7 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
         C.assert_block_aligned(matched, block_size, n)
         C.assert_hit_matches_rule(
             matched, contract_profile.expected_hit_tokens(n, block_size), n,
-            block_size, rule, contract_profile["connector"]["hit_rule_source"])
+            block_size, rule, source)
         C.assert_last_token_recomputed(rig.driver, second)
         C.assert_only_unmatched_tokens_run(rig.driver, second, local + matched)
         if rig.worker is not None:

@@ -1,0 +1,90 @@
+"""Known upstream defects of a target, run as strict xfails.
+
+A profile lists them as ``[[known_failures]]`` tables (validated by
+:mod:`tvc.profile`)::
+
+    [[known_failures]]
+    test = "suites/e2e/test_external_prefix_hit.py::test_concurrent*"  # node-id glob
+    reason = "ExampleConnector drops the hit under concurrent identical prompts"
+    link = "https://github.com/vllm-project/vllm/issues/NNNNN"             # required
+    vllm = "<0.29"                                     # optional PEP 440 specifier
+
+Each collected test whose node id matches ``test`` (an exact node id, brackets
+included, or an fnmatch glob), on a vLLM in ``vllm``, gets
+``pytest.mark.xfail(strict=True)``: it still runs, its failure is reported as the
+known defect with the link, and when it passes (the defect is fixed) the run fails
+with XPASS(strict) and a message that tells the user to drop the entry, so stale
+entries cannot hide a regression for long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pytest
+
+from tvc.profile import (
+    Profile,
+    installed_vllm_version,
+    known_failure_matches,
+    version_matches,
+)
+
+
+def xfail_reason(entry: Mapping[str, Any], profile: Profile) -> str:
+    """The xfail reason for one entry: the defect, the link, and what to do on XPASS.
+
+    Returns:
+        ``"known upstream defect: <reason> (<link>); if this test passes, the defect
+        is fixed: drop this [[known_failures]] entry from <profile file>"``.
+
+    """
+    return (f"known upstream defect: {entry['reason']} ({entry['link']}); if this "
+            "test passes, the defect is fixed: drop this [[known_failures]] entry "
+            f"from {profile.source}")
+
+
+def entries_for(profile: Profile, vllm_version: str | None = None
+                ) -> list[Mapping[str, Any]]:
+    """The profile's known failures that apply to a vLLM version.
+
+    Args:
+        profile: the loaded profile.
+        vllm_version: e.g. ``"0.28.0"``; None = the installed vLLM. An entry with a
+            ``vllm`` specifier never applies when the version is unknown.
+
+    Returns:
+        the applicable ``{test, reason, link, vllm}`` entries.
+
+    """
+    version = vllm_version if vllm_version is not None else installed_vllm_version()
+    return [e for e in profile["known_failures"]
+            if version_matches(version, e["vllm"])]
+
+
+def apply(items: Iterable[pytest.Item], profile: Profile,
+          vllm_version: str | None = None) -> list[tuple[str, str]]:
+    """Mark every collected test a known failure names as a strict xfail.
+
+    Args:
+        items: the collected tests (``pytest_collection_modifyitems``).
+        profile: the loaded profile.
+        vllm_version: as for :func:`entries_for`.
+
+    Returns:
+        ``(node id, test glob)`` for every mark added.
+
+    """
+    entries = entries_for(profile, vllm_version)
+    marked: list[tuple[str, str]] = []
+    if not entries:
+        return marked
+    for item in items:
+        for entry in entries:
+            if known_failure_matches(entry, item.nodeid):
+                item.add_marker(pytest.mark.xfail(
+                    strict=True, reason=xfail_reason(entry, profile)))
+                marked.append((item.nodeid, entry["test"]))
+                break
+    return marked

@@ -41,14 +41,13 @@ CASES = {
 PROFILE = """\
 [profile]
 name = "bad-{cls}"
+extends = "example"  # ExampleConnector's hit rule: the bad connectors' base
 [connector]
 name = "{cls}"
 module_path = "bad_connectors"
 kv_role = "kv_both"
 extra_config = {{ shared_storage_path = "{store}", capacity_bytes = 1073741824 }}
 required_extra_config_keys = ["capacity_bytes"]
-hit_rule = "(len - 2) // B * B * ((len - 1 - (len - 1) // B * B + B - 1) // B)"
-hit_rule_source = "ExampleConnector (the bad connectors' base)"
 worker_devices = ["cpu"]
 [scratch]
 dir = "{scratch}"

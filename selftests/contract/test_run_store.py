@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tvc import run_store as rs
 from tvc.profile import BUILTIN_DIR, load
 
@@ -140,3 +142,50 @@ def test_contract_replay_with_same_nonce_reproduces_and_leaves_no_store(
     assert not left, (
         f"the runs left store files under the profile scratch: {left[:10]} — each "
         "session's store must be removed when it ends")
+
+
+def test_a_folder_the_suite_did_not_make_survives_a_run(tmp_path: Path) -> None:
+    """Issue 15: a run with its scratch outside the repo deleted such a folder."""
+    scratch = tmp_path / "scratch"
+    dead_pid = 2**22 + 4242  # above Linux's default pid_max: never a live process
+    foreign = scratch / rs.STORES_DIRNAME / f"{dead_pid}-c0ffee00"
+    (foreign / "example-store").mkdir(parents=True)
+    (foreign / "example-store" / "theirs.bin").write_bytes(b"keep")
+    orphan = _suite_made(scratch / rs.STORES_DIRNAME / f"{dead_pid + 1}-0ddba11",
+                         dead_pid + 1)
+    profile = _replay_profile(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TVC_PROFILE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
+         "-k", "test_cold_prompt_matches_nothing", f"--profile={profile}",
+         "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+         f"--report-dir={tmp_path / 'r'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and re.search(r"^1 passed\b", out, re.M), out[-3000:]
+    assert (foreign / "example-store" / "theirs.bin").read_bytes() == b"keep"
+    assert not orphan.exists(), "the suite's own orphan (dead pid) must go"
+    left = sorted(p.name for p in (scratch / rs.STORES_DIRNAME).iterdir())
+    assert left == [foreign.name], (
+        f"only the foreign folder may remain after the session, found {left}")
+
+
+def test_store_pool_is_removed_only_when_the_suite_made_it(tmp_path: Path) -> None:
+    from tvc.store import StoreError, open_posix_store
+
+    made = open_posix_store(tmp_path / "new" / "pool", 8192, direct=False)
+    assert rs.file_owned(made.file) and rs.owner_of(made.file.parent) is not None
+    made.destroy()
+    assert not (tmp_path / "new" / "pool").exists(), "suite-made pool and folder go"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "pool.bin").write_bytes(b"user data")
+    with pytest.raises(StoreError, match="exists and was not created by the suite"):
+        open_posix_store(theirs, 8192, direct=False)
+    assert (theirs / "pool.bin").read_bytes() == b"user data"
+    # a pool made in a folder the suite did not make: the pool goes, the folder stays
+    (theirs / "pool.bin").unlink()
+    store = open_posix_store(theirs, 8192, direct=False)
+    store.destroy()
+    assert theirs.is_dir() and list(theirs.iterdir()) == []

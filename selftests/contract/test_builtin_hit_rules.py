@@ -1,0 +1,56 @@
+"""Every built-in profile's hit rule is the one the contract tier exercises.
+
+Issue 13: ``lab-disk`` carried a stale copy of ExampleConnector's rule that nothing
+checked, and its GPU run raised three false alarms. Here each built-in profile that
+declares a hit rule runs the contract tier's hit-rule check with vLLM's real
+scheduler: the check must be selected (not deselected, not skipped for lack of a
+rule), pass, and record hits equal to the profile's rule, some of them above zero
+(a rule checked only where it says 0 proves nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from selftests.conftest import run_suite
+from tvc.profile import BUILTIN_DIR, load
+
+CHECK = "test_second_pass_matches_declared_hit_rule"
+BLOCK_SIZES = (16, 32)  # suites/contract/test_scheduler_contract.py BLOCK_SIZES
+BUILTINS = sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def _has_rule(name: str) -> bool:
+    return bool(load(name, env={}).select_hit_rule()[0])
+
+
+def test_the_builtins_with_a_rule_are_known() -> None:
+    """A new built-in with a rule is picked up below; one without says so here."""
+    assert [n for n in BUILTINS if not _has_rule(n)] == ["tutti"], (
+        "tutti declares no hit rule yet (its connector's matching is not public); "
+        "every other built-in must declare one")
+
+
+@pytest.mark.parametrize("name", [n for n in BUILTINS if _has_rule(n)])
+def test_contract_tier_exercises_the_builtin_hit_rule(name: str,
+                                                      tmp_path: Path) -> None:
+    prof = load(name, env={})
+    run = run_suite(["suites/contract", "-m", "contract", "-k", CHECK,
+                     f"--profile={name}", "-p", "no:xdist"], tmp_path / "r",
+                    timeout_s=900)
+    assert run.summary is not None, run.tail()
+    tests = {t["nodeid"].rsplit("[", 1)[-1].rstrip("]"): t
+             for t in run.summary["tests"] if CHECK in t["nodeid"]}
+    assert sorted(tests) == sorted(str(b) for b in BLOCK_SIZES), (
+        f"{name}: the hit-rule check ran for {sorted(tests)}, expected block sizes "
+        f"{BLOCK_SIZES}:\n{run.tail()}")
+    for block, t in tests.items():
+        assert t["outcome"] == "passed", (name, block, t["message"][:2000])
+        seen = {int(n): hit for n, hit in t["properties"]["hits_by_prompt_len"].items()}
+        want = {n: prof.expected_hit_tokens(n, int(block)) for n in seen}
+        assert seen == want, (name, block, seen, want)
+        assert any(hit > 0 for hit in seen.values()), (
+            f"{name} B={block}: no prompt length gave a hit, so the rule was never "
+            f"tested where it matters: {seen}")

@@ -1,0 +1,128 @@
+"""``[[known_failures]]``: known upstream defects run as strict xfails.
+
+A known failure must not hide a fix: when the named test passes, the run fails
+(XPASS strict) and the message tells the user to drop the entry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from selftests.conftest import run_suite
+from tvc import known_failures as kf
+from tvc.profile import BUILTIN_DIR, ProfileError, installed_vllm_version, load
+
+INSTALL = "suites/level1/test_vllm_install.py"
+PASSING = f"{INSTALL}::test_python_satisfies_vllm_requires_python"  # passes here
+OTHER = f"{INSTALL}::test_torch_matches_vllm_pin"
+
+
+class FakeItem:
+    """The two things apply() uses of a pytest item."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+        self.marks: list[Any] = []
+
+    def add_marker(self, mark: Any) -> None:
+        self.marks.append(mark)
+
+
+def _profile(tmp_path: Path, entries: str) -> Path:
+    path = tmp_path / "kf.toml"
+    path.write_text((BUILTIN_DIR / "example.toml").read_text().replace(
+        'name = "example"', 'name = "kf"', 1)
+        + f'\n[scratch]\ndir = "{tmp_path / "scratch"}"\n' + entries)
+    return path
+
+
+ENTRIES = '''
+[[known_failures]]
+test = "suites/e2e/test_x.py::test_y*"
+reason = "hit lost under concurrency"
+link = "https://github.com/vllm-project/vllm/issues/1"
+
+[[known_failures]]
+test = "suites/e2e/test_x.py::test_z[16]"
+reason = "exact id with brackets"
+link = "http://example.org/2"
+vllm = ">=0.20,<0.29"
+'''
+
+
+def test_apply_marks_matching_tests_strict_with_reason_and_link(tmp_path: Path
+                                                                ) -> None:
+    prof = load(str(_profile(tmp_path, ENTRIES)), env={})
+    items = [FakeItem("suites/e2e/test_x.py::test_y[16]"),
+             FakeItem("suites/e2e/test_x.py::test_z[16]"),
+             FakeItem("suites/e2e/test_x.py::test_z[32]"),
+             FakeItem("suites/e2e/test_other.py::test_y")]
+    marked = kf.apply(items, prof, vllm_version="0.28.0")
+    assert [n for n, _ in marked] == [items[0].nodeid, items[1].nodeid]
+    assert not items[2].marks and not items[3].marks
+    mark = items[0].marks[0]
+    assert mark.name == "xfail" and mark.kwargs["strict"] is True
+    assert mark.kwargs["reason"].startswith(
+        "known upstream defect: hit lost under concurrency "
+        "(https://github.com/vllm-project/vllm/issues/1); if this test passes")
+    assert "drop this [[known_failures]] entry" in mark.kwargs["reason"]
+
+
+@pytest.mark.parametrize("version, marked", [
+    ("0.28.0", 2), ("0.29.0", 1), ("0.19.0", 1), ("garbage", 1)])
+def test_vllm_specifier_limits_an_entry(tmp_path: Path, version: str,
+                                        marked: int) -> None:
+    prof = load(str(_profile(tmp_path, ENTRIES)), env={})
+    items = [FakeItem("suites/e2e/test_x.py::test_y"),
+             FakeItem("suites/e2e/test_x.py::test_z[16]")]
+    assert len(kf.apply(items, prof, vllm_version=version)) == marked
+
+
+@pytest.mark.parametrize("entry, match", [
+    ('test = "x"\nreason = "r"', r"missing required key known_failures\[0\]\.link"),
+    ('test = "x"\nreason = "r"\nlink = "ftp://x/y"', r"known_failures\[0\]\.link: "
+                                                      "'ftp://x/y' is not an http"),
+    ('test = "x"\nreason = "r"\nlink = "https:///nohost"', r"\.link: "),
+    ('test = ""\nreason = "r"\nlink = "https://x/1"', r"known_failures\[0\]\.test: "
+                                                      "empty"),
+    ('test = "x"\nreason = "r"\nlink = "https://x/1"\nvllm = "~~1"',
+     r"known_failures\[0\]\.vllm: '~~1' is not a PEP 440"),
+    ('test = "x"\nreason = "r"\nlink = "https://x/1"\nwhy = 1',
+     r"unknown key known_failures\[0\]\.why"),
+])
+def test_bad_entries_are_one_line_errors(tmp_path: Path, entry: str,
+                                         match: str) -> None:
+    with pytest.raises(ProfileError, match=match):
+        load(str(_profile(tmp_path, f"\n[[known_failures]]\n{entry}\n")), env={})
+
+
+def test_a_known_failure_that_passes_fails_the_run(tmp_path: Path) -> None:
+    """XPASS(strict): the defect is fixed; the message says to drop the entry."""
+    version = installed_vllm_version()
+    assert version, "vLLM must be installed for the level1 tests used here"
+    path = _profile(tmp_path, f'''
+[[known_failures]]
+test = "{PASSING}"
+reason = "pretend upstream defect"
+link = "https://github.com/vllm-project/vllm/issues/99999"
+
+[[known_failures]]
+test = "{OTHER}"
+reason = "only on old vLLM"
+link = "https://github.com/vllm-project/vllm/issues/99998"
+vllm = "<0.1"
+''')
+    run = run_suite([PASSING, OTHER, f"--profile={path}", "-rA"], tmp_path / "r")
+    assert run.rc == 1, f"exit {run.rc}, expected 1 (a strict XPASS):\n{run.tail()}"
+    fixed = run.test("test_python_satisfies_vllm_requires_python")
+    assert fixed["outcome"] == "failed", fixed
+    for part in ("XPASS(strict)", "known upstream defect: pretend upstream defect",
+                 "https://github.com/vllm-project/vllm/issues/99999",
+                 "drop this [[known_failures]] entry", str(path)):
+        assert part in fixed["message"], (part, fixed["message"])
+    other = run.test("test_torch_matches_vllm_pin")
+    assert other["outcome"] == "passed", (
+        f"an entry for vllm <0.1 must not apply to vLLM {version}: {other}")

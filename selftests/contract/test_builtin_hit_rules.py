@@ -38,7 +38,7 @@ def test_contract_tier_exercises_the_builtin_hit_rule(name: str,
                                                       tmp_path: Path) -> None:
     prof = load(name, env={})
     run = run_suite(["suites/contract", "-m", "contract", "-k", CHECK,
-                     f"--profile={name}", "-p", "no:xdist"], tmp_path / "r",
+                     f"--tvc-profile={name}", "-p", "no:xdist"], tmp_path / "r",
                     timeout_s=900)
     assert run.summary is not None, run.tail()
     tests = {t["nodeid"].rsplit("[", 1)[-1].rstrip("]"): t

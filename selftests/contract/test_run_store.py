@@ -158,9 +158,9 @@ def test_a_folder_the_suite_did_not_make_survives_a_run(tmp_path: Path) -> None:
            if k not in ("TVC_PROFILE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
-         "-k", "test_cold_prompt_matches_nothing", f"--profile={profile}",
+         "-k", "test_cold_prompt_matches_nothing", f"--tvc-profile={profile}",
          "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-         f"--report-dir={tmp_path / 'r'}"],
+         f"--tvc-report-dir={tmp_path / 'r'}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and re.search(r"^1 passed\b", out, re.M), out[-3000:]

@@ -115,7 +115,7 @@ reason = "only on old vLLM"
 link = "https://github.com/vllm-project/vllm/issues/99998"
 vllm = "<0.1"
 ''')
-    run = run_suite([PASSING, OTHER, f"--profile={path}", "-rA"], tmp_path / "r")
+    run = run_suite([PASSING, OTHER, f"--tvc-profile={path}", "-rA"], tmp_path / "r")
     assert run.rc == 1, f"exit {run.rc}, expected 1 (a strict XPASS):\n{run.tail()}"
     fixed = run.test("test_python_satisfies_vllm_requires_python")
     assert fixed["outcome"] == "failed", fixed

@@ -3,7 +3,7 @@
 One self-test per reproducer a fresh-user trial found (each gave a raw traceback,
 hung the loader, repeated a huge value, or accepted an unsafe scratch dir), a
 property-based test that feeds the loader generated hostile profiles, and end-to-end
-runs of ``pytest -m level1 --profile=<reproducer>``.
+runs of ``pytest -m level1 --tvc-profile=<reproducer>``.
 
 The contract for every input: :func:`tvc.profile.load` returns a profile or raises
 :class:`~tvc.profile.ProfileError` whose message is one line of at most 400
@@ -359,12 +359,12 @@ E2E_CASES = ("pattern_nested_plus", "arrays_500_deep", "scratch_root",
 @pytest.mark.parametrize("case", E2E_CASES)
 def test_level1_run_stops_with_one_line_naming_the_key(case: str,
                                                        tmp_path: Path) -> None:
-    """``pytest -m level1 --profile=<reproducer>``: one line, exit 4, in seconds."""
+    """``pytest -m level1 --tvc-profile=<reproducer>``: one line, exit 4, in seconds."""
     text, must = REPRODUCERS[case]
     path = tmp_path / f"{case}.toml"
     path.write_text(text(tmp_path) if callable(text) else text)
     t0 = time.perf_counter()
-    run = run_suite(["-m", "level1", f"--profile={path}"], tmp_path / "r",
+    run = run_suite(["-m", "level1", f"--tvc-profile={path}"], tmp_path / "r",
                     timeout_s=120)
     seconds = time.perf_counter() - t0
     lines = [line for line in run.stdout.splitlines() if line.strip()]

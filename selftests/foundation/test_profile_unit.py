@@ -502,3 +502,32 @@ def test_bandwidth_grades_have_one_home() -> None:
             assert line not in path.read_text(), (path.name, line)
             assert prof["bandwidth"][key] > 0
     assert load("tutti", env={})["bandwidth"]["numa_node_gbps"] == 28.0
+
+
+@pytest.mark.parametrize("line, match", [
+    ('fault_injector = "no_colon"', r"connector\.fault_injector: 'no_colon' must be "
+                                    r"empty, or 'module:function'"),
+    ('worker_report = "stand-in"', r"connector\.worker_report: 'stand-in' must be "
+                                   r"empty, \"standin\", or 'module:function'"),
+    ('hit_log_level = "LOUD"', r"connector\.hit_log_level: 'LOUD' is not one of "
+                               "DEBUG, INFO"),
+    ('[vllm]\ntensor_parallel_sizes = []', r"vllm\.tensor_parallel_sizes: \[\] must"),
+    ('[vllm]\ntensor_parallel_sizes = [1, 0]', r"tensor_parallel_sizes: \[1, 0\]"),
+    ('[e2e]\nprompt_tokens = 1', r"e2e\.prompt_tokens: must be at least 2, got 1"),
+    ('[e2e]\nconcurrency = 0', r"e2e\.concurrency: must be at least 1, got 0"),
+])
+def test_declared_hooks_and_sizes_are_checked(line: str, match: str) -> None:
+    with pytest.raises(ProfileError, match=match):
+        load(str(_profile(HEAD + line + "\n", "hooks.toml")), env={})
+
+
+def test_declared_hooks_accept_their_forms() -> None:
+    prof = load(str(_profile(HEAD + 'fault_injector = "pkg.mod:make"\n'
+                             'worker_report = "standin"\nhit_log_level = "debug"\n'
+                             "[vllm]\ntensor_parallel_sizes = [1, 2]\n", "ok.toml")),
+                env={})
+    assert prof["connector"]["hit_log_level"] == "DEBUG"  # VLLM_LOGGING_LEVEL form
+    assert prof["connector"]["worker_report"] == "standin"
+    assert prof["vllm"]["tensor_parallel_sizes"] == [1, 2]
+    assert prof["e2e"] == {"prompt_tokens": 600, "concurrency": 16, "baseline": True,
+                           "logprob_atol": 0.1, "seed": 0}

@@ -97,6 +97,7 @@ def test_measure_store_on_cpu_with_the_posix_store(tmp_path: Path):
 
 
 def test_bar_chart_writes_a_png(tmp_path: Path):
+    pytest.importorskip("matplotlib")
     per = {s: bw.summarize(bw.GIB, [1.0, 1.2]) for s in bw.IO_SIZES}
     res = {"write": per, "read": per, "threshold_gbps": 0.75,
            "refs": {"kvikio_read": 1.1, "pinned_h2d": 55.0}, "title": "t"}

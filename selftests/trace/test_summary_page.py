@@ -63,7 +63,9 @@ def make_run_dir(root: Path) -> Path:
         "run": {"started_utc": "2026-11-30T12:00:00Z", "args": "-m 'not contract'",
                 "exit_status": 1, "outcome": "failed", "duration_s": 412.5,
                 "seed": 1234, "seed_source": "random",
-                "xdist": "xdist: --dist load -> loadgroup"},
+                "xdist": "xdist: --dist load: tests that own a GPU server, daemon or "
+                         "store run one after another on one worker "
+                         "(tvc-gpu-owners); the others are load-balanced"},
         "deselected": [
             {"tier": "contract", "count": 24, "why": "[cpu] worker variants: "
              "connector.worker_devices = ['cuda']"},
@@ -118,6 +120,7 @@ def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
     assert "| 4 MiB | 6.90 | 8.97 |" in md  # from bandwidth.json, not properties
     assert "![bandwidth](charts/bandwidth.png)" in md
     assert "- **seed**: 1234 (random; rerun with --tvc-seed=1234)" in md
+    assert "- **xdist**: --dist load: tests that own a GPU server" in md
     assert ("- **deselected**: contract 24 ([cpu] worker variants: "
             "connector.worker_devices = ['cuda']); level2 1, contract 40 "
             "(-m 'not contract')") in md

@@ -135,14 +135,20 @@ if importlib.util.find_spec("xdist") is not None:
         Self-test modules share expensive module-scoped suite runs (each imports
         vLLM or compiles with Inductor); xdist's default ``load`` scheduling spreads a
         module over workers and repeats those runs on each (``selftests/foundation``
-        with ``-n 2``: 138 s with ``load``, 64 s file by file). An explicit
-        ``--dist`` other than ``load`` is respected.
+        with ``-n 2``: 138 s with ``load``, 64 s file by file). The suite's GPU
+        owners still run as one unit (:func:`tvc.run_control.make_scheduler`). An
+        explicit ``--dist`` other than ``load`` is respected.
 
         Returns:
-            a ``LoadFileScheduling``, or None to keep xdist's choice.
+            the scheduler, or None to keep xdist's choice.
         """
         if config.getoption("dist") != "load":
             return None
+        from tvc.run_control import make_scheduler
+
+        sched = make_scheduler(config, log, by_file=True)
+        if sched is not None:
+            return sched
         from xdist.scheduler import LoadFileScheduling
 
         return LoadFileScheduling(config, log)

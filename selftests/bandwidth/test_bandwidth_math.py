@@ -97,8 +97,20 @@ def test_measure_store_on_cpu_with_the_posix_store(tmp_path: Path):
 
 
 def test_bar_chart_writes_a_png(tmp_path: Path):
+    pytest.importorskip("matplotlib")
     per = {s: bw.summarize(bw.GIB, [1.0, 1.2]) for s in bw.IO_SIZES}
     res = {"write": per, "read": per, "threshold_gbps": 0.75,
            "refs": {"kvikio_read": 1.1, "pinned_h2d": 55.0}, "title": "t"}
     out = bw.bar_chart(res, tmp_path / "r" / "bandwidth.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bar_chart_without_matplotlib_returns_none(tmp_path: Path, monkeypatch):
+    """The tier measures first; a missing ``plots`` extra must not error after it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import -> ImportError
+    per = {s: bw.summarize(bw.GIB, [1.0]) for s in bw.IO_SIZES}
+    res = {"write": per, "read": per, "threshold_gbps": 0.75, "refs": {}}
+    assert bw.bar_chart(res, tmp_path / "bandwidth.png") is None
+    assert not (tmp_path / "bandwidth.png").exists()

@@ -52,9 +52,25 @@ def make_run_dir(root: Path) -> Path:
 
     gpu_skip = ("no CUDA GPU: nvidia-smi not found on PATH. Fix: run this tier on a "
                 "GPU host.")
+    per_size = {str(s): {"median_gbps": g, "min_gbps": g * 0.9, "max_gbps": g * 1.1}
+                for s, g in ((262144, 2.1), (1048576, 4.8), (4194304, 6.9),
+                             (16777216, 7.6), (67108864, 7.8))}
+    read = {k: {kk: vv * 1.3 for kk, vv in v.items()} for k, v in per_size.items()}
+    (run / "bandwidth.json").write_text(json.dumps({
+        "write": per_size, "read": read, "threshold_gbps": 7.0,
+        "tier": "one disk (graded: 7 GB/s)", "refs": {}}))
     summary = {
         "run": {"started_utc": "2026-11-30T12:00:00Z", "args": "-m 'not contract'",
-                "exit_status": 1, "duration_s": 412.5},
+                "exit_status": 1, "outcome": "failed", "duration_s": 412.5,
+                "seed": 1234, "seed_source": "random",
+                "xdist": "xdist: --dist load: tests that own a GPU server, daemon or "
+                         "store run one after another on one worker "
+                         "(tvc-gpu-owners); the others are load-balanced"},
+        "deselected": [
+            {"tier": "contract", "count": 24, "why": "[cpu] worker variants: "
+             "connector.worker_devices = ['cuda']"},
+            {"tier": "contract", "count": 40, "why": "-m 'not contract'"},
+            {"tier": "level2", "count": 1, "why": "-m 'not contract'"}],
         "profile": {"name": "example", "connector": "ExampleConnector",
                     "source": "/work/profiles/example.toml"},
         "versions": {"vllm": "0.26.0", "vllm_location": "/root/vllm-bundle/site/vllm",
@@ -101,7 +117,13 @@ def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
     assert "`test_a` and `test_b` (2 tests): no CUDA GPU" in md  # merged, all named
     assert "- **profile file**: /work/profiles/example.toml" in md
     assert "interleave: TTFT p50" in md and "![TTFT CDF](charts/ttft_cdf.png)" in md
-    assert "| test_read[1] | read_gbps | 6.40 |" in md
+    assert "| 4 MiB | 6.90 | 8.97 |" in md  # from bandwidth.json, not properties
+    assert "![bandwidth](charts/bandwidth.png)" in md
+    assert "- **seed**: 1234 (random; rerun with --tvc-seed=1234)" in md
+    assert "- **xdist**: --dist load: tests that own a GPU server" in md
+    assert ("- **deselected**: contract 24 ([cpu] worker variants: "
+            "connector.worker_devices = ['cuda']); level2 1, contract 40 "
+            "(-m 'not contract')") in md
     page = out["html"].read_text()
     assert page.count("data:image/png;base64,") == 2
     assert "<span class='badge FAIL'>FAIL</span>" in page
@@ -112,6 +134,30 @@ def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
     bw = sp.bandwidth_figures(json.loads((run / "summary.json").read_text()))
     assert [(b["name"], b["limit"]) for b in bw] == [
         ("read_gbps", False), ("threshold_gbps", True), ("write_gbps", False)]
+
+
+def test_page_embeds_the_bandwidth_tiers_own_chart(tmp_path: Path) -> None:
+    run = make_run_dir(tmp_path)
+    png = run / "bandwidth.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n tier's own chart")
+    out = sp.write_page(run)
+    assert out["bandwidth"] == png  # embedded as it is, not redrawn
+    assert not (run / "charts" / "bandwidth.png").exists()
+    assert "![bandwidth](bandwidth.png)" in out["markdown"].read_text()
+    import base64
+
+    assert base64.b64encode(png.read_bytes()).decode() in out["html"].read_text()
+
+
+def test_page_without_matplotlib_says_so_once(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import -> ImportError
+    run = make_run_dir(tmp_path)
+    notes: list[str] = []
+    out = sp.write_page(run, notes)
+    assert set(out) == {"markdown", "html"}
+    assert notes == [sp.NO_MATPLOTLIB]
+    assert out["markdown"].read_text().count("matplotlib is not installed") == 1
+    assert "| 4 MiB | 6.90 | 8.97 |" in out["markdown"].read_text()  # table stays
 
 
 def test_page_without_trace_or_bandwidth_has_no_charts(tmp_path: Path) -> None:

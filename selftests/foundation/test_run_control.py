@@ -1,0 +1,328 @@
+"""The plugin's run control: inert elsewhere, xdist grouping, variants, interrupts.
+
+Every case runs pytest in a subprocess on synthetic test files (see
+:mod:`selftests.foundation.synthetic`) and checks what a user would see: which
+worker ran which test, the lines printed, the run folder left behind, the processes
+left alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+import pytest
+
+from selftests.conftest import REPO_ROOT, SUITE_ENV_VARS, run_suite
+from selftests.foundation.synthetic import write_tests
+from tvc import run_control
+
+needs_xdist = pytest.mark.skipif(importlib.util.find_spec("xdist") is None,
+                                 reason="pytest-xdist is not installed: pip install "
+                                        "pytest-xdist")
+
+OWNER_TESTS = {"test_owners.py": """
+    import os
+
+    import pytest
+
+    pytestmark = [pytest.mark.hw_any]
+
+    @pytest.fixture
+    def vllm_server():  # same name as the suite's server owner (fixtures/vllm.py)
+        return "server"
+
+    def _worker(record_property):
+        record_property("worker", os.environ.get("PYTEST_XDIST_WORKER", ""))
+
+    @pytest.mark.level1
+    @pytest.mark.parametrize("i", range(6))
+    def test_owner(vllm_server, i, record_property):
+        _worker(record_property)
+
+    @pytest.mark.e2e
+    @pytest.mark.parametrize("i", range(4))
+    def test_tier(i, record_property):
+        _worker(record_property)
+
+    @pytest.mark.level1
+    @pytest.mark.parametrize("i", range(8))
+    def test_free(i, record_property):
+        _worker(record_property)
+
+    @pytest.mark.bandwidth
+    def test_worker_writes_into_the_run_folder(record_property):
+        import json
+        from tvc.session import state
+
+        _worker(record_property)
+        run_dir = state().run_dir
+        assert run_dir is not None
+        (run_dir / "bandwidth.json").write_text(json.dumps({
+            "write": {"1048576": {"median_gbps": 5.5}},
+            "read": {"1048576": {"median_gbps": 6.5}},
+            "threshold_gbps": 7.0, "tier": "one disk"}))
+    """}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SUITE_ENV_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+# ---------------------------------------------------------------- inert elsewhere
+
+def test_plugin_is_inert_outside_the_suite(tmp_path: Path) -> None:
+    """A user's own test folder: options only; no profile, no run folder.
+
+    The folder's conftest owns ``--profile`` (as pytest-profiling would); the
+    suite's deprecated alias must not take it.
+    """
+    proj = tmp_path / "user-project"
+    write_tests(proj, {
+        "conftest.py": """
+            def pytest_addoption(parser):
+                parser.addoption("--profile", default="none")
+            """,
+        "test_mine.py": """
+            def test_mine(request):
+                assert request.config.getoption("profile") == "fast"
+            """})
+    reports = tmp_path / "reports-root"
+    env = {**_env(), "TVC_REPORTS_ROOT": str(reports)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "--profile=fast"], cwd=proj, env=env, text=True,
+                          capture_output=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "tutti-vllm-conformance" in out  # the plugin did load (entry point)
+    assert "profile:" not in out and "reports:" not in out and "seed:" not in out
+    assert not reports.exists()
+    assert sorted(p.name for p in proj.iterdir()) == ["conftest.py", "test_mine.py"]
+    helped = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                             "--help"], cwd=proj, env=env, text=True,
+                            capture_output=True, timeout=300, check=False)
+    assert helped.returncode == 0 and "--tvc-profile" in helped.stdout
+
+
+def test_import_mode_importlib_loads_plugin_and_fixtures(tmp_path: Path) -> None:
+    run = run_suite(["suites/level1/test_vllm_install.py", "-k", "vllm_imports",
+                     "--import-mode=importlib", "-p", "no:xdist"], tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    assert run.test("test_vllm_imports")["outcome"] == "passed"
+
+
+# ------------------------------------------------------------------ xdist grouping
+
+@needs_xdist
+def test_gpu_owners_run_on_one_worker_and_worker_files_reach_the_summary(
+        tmp_path: Path) -> None:
+    run = run_suite([*write_tests(tmp_path / "t", OWNER_TESTS), "-n", "2"],
+                    tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    assert "xdist: --dist load: tests that own a GPU server" in run.stdout
+    workers: dict[str, set[str]] = {}
+    for t in run.summary["tests"]:
+        kind = t["nodeid"].split("::")[-1].split("[")[0]
+        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    owners = (workers["test_owner"] | workers["test_tier"]
+              | workers["test_worker_writes_into_the_run_folder"])
+    assert len(owners) == 1 and "" not in owners, workers  # one xdist worker
+    assert len(run.summary["tests"]) == 19
+    # a worker wrote bandwidth.json into the controller's run folder: the page has it
+    assert (run.report_dir / "bandwidth.json").is_file()
+    assert "| 1 MiB | 5.50 | 6.50 |" in (run.report_dir / "summary.md").read_text()
+
+
+def test_owner_detection_by_fixture_and_tier() -> None:
+    class Item:
+        def __init__(self, fixtures: tuple[str, ...], marks: tuple[str, ...]) -> None:
+            self.fixturenames, self.marks = fixtures, marks
+
+        def get_closest_marker(self, name: str) -> object:
+            return object() if name in self.marks else None
+
+    assert run_control.owns_gpu(Item(("gpu_store", "tmp_path"), ("contract",)))
+    assert run_control.owns_gpu(Item(("tmp_path",), ("trace",)))
+    assert not run_control.owns_gpu(Item(("tmp_path", "rig_factory"), ("contract",)))
+
+
+# -------------------------------------------------------------- device variants
+
+VARIANT_TESTS = {"test_variants.py": """
+    import pytest
+
+    pytestmark = [pytest.mark.contract]
+    DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu"),
+               pytest.param("cuda", marks=pytest.mark.hw_gpu, id="cuda")]
+
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("n", range(3))
+    def test_roundtrip(device, n):
+        pass
+    """}
+
+
+def _cuda_only_profile(tmp_path: Path) -> Path:
+    text = (REPO_ROOT / "profiles" / "example.toml").read_text()
+    lines = [('worker_devices = ["cuda"]' if ln.startswith("worker_devices") else ln)
+             for ln in text.splitlines()]
+    assert 'worker_devices = ["cuda"]' in lines  # the example profile has the key
+    path = tmp_path / "cuda-only.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
+def test_device_variants_the_connector_lacks_are_deselected_with_one_line(
+        tmp_path: Path, xdist: bool) -> None:
+    if xdist and importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed: pip install pytest-xdist")
+    args = [*write_tests(tmp_path / "t", VARIANT_TESTS),
+            f"--tvc-profile={_cuda_only_profile(tmp_path)}"]
+    args += ["-n", "2"] if xdist else ["-p", "no:xdist"]
+    run = run_suite(args, tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    line = ("tvc: deselected 3 [cpu] worker variants: connector.worker_devices = "
+            "['cuda']")
+    assert run.stdout.count(line) == 1, run.tail()
+    assert "[cpu]" not in " ".join(t["nodeid"] for t in run.summary["tests"])
+    cuda = [t for t in run.summary["tests"] if "cuda" in t["nodeid"]]
+    assert len(cuda) == 3
+    if not run.summary["hardware"]["levels"]["gpu"]:  # a real missing level: skips
+        assert {t["outcome"] for t in cuda} == {"skipped"}
+        assert all(t["message"].startswith("no CUDA GPU") for t in cuda)
+    assert run.summary["deselected"] == [
+        {"tier": "contract", "count": 3, "why": "[cpu] worker variants: "
+         "connector.worker_devices = ['cuda']"}]
+
+
+def test_roundtrip_suite_deselects_24_cpu_variants_for_a_cuda_only_connector(
+        tmp_path: Path) -> None:
+    run = run_suite(["suites/contract/test_worker_roundtrip.py", "--co", "-p",
+                     "no:xdist", f"--tvc-profile={_cuda_only_profile(tmp_path)}"],
+                    tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    assert "tvc: deselected 24 [cpu] worker variants: connector.worker_devices = " \
+           "['cuda']" in run.stdout
+    assert "24/48 tests collected (24 deselected)" in run.stdout
+
+
+# ------------------------------------------------------------------- interrupts
+
+SLOW_TESTS = {"test_slow.py": """
+    import os
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
+
+    def test_fast():
+        pass
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_slow(i):
+        marks = Path(os.environ["TVC_SELFTEST_MARKS"])
+        (marks / f"{os.getpid()}-{i}").write_text("started")
+        time.sleep(60)
+    """}
+
+
+def _start(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen[str], Path,
+                                                       Path]:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    report = tmp_path / "r"
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+            *write_tests(tmp_path / "t", SLOW_TESTS), f"--tvc-report-dir={report}",
+            *extra]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**_env(), "TVC_SELFTEST_MARKS": str(marks)})
+    return proc, marks, report
+
+
+def _wait_for(marks: Path, n: int, proc: subprocess.Popen[str],
+              timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len({p.name.split("-")[0] for p in marks.iterdir()}) < n:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.communicate()[0] if proc.poll() is not None else ""
+            proc.kill()
+            pytest.fail(f"the slow tests did not start on {n} process(es): {out}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["serial", "xdist", "xdist-twice"])
+def test_ctrl_c_leaves_an_interrupted_run_folder(tmp_path: Path, mode: str) -> None:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) mid-run.
+
+    ``xdist-twice`` presses it again 0.1 s later, while pytest formats the
+    interrupt and xdist stops its workers.
+    """
+    if mode != "serial" and importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed: pip install pytest-xdist")
+    proc, marks, report = _start(tmp_path, ["-p", "no:xdist"] if mode == "serial"
+                                 else ["-n", "2"])
+    _wait_for(marks, 1 if mode == "serial" else 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    if mode == "xdist-twice":
+        time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, out[-3000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["run"]["outcome"] == "interrupted"
+    assert summary["counts"]["passed"] == 1 and summary["counts"]["not_run"] >= 1
+    assert ET.parse(report / "junit.xml").getroot() is not None
+    assert "Traceback" not in out, out[-3000:]
+    assert len(out.splitlines()) < 40, out  # no 70-line KeyboardInterrupt dump
+
+
+@needs_xdist
+def test_sigkilled_controller_takes_its_workers_within_3_s(tmp_path: Path) -> None:
+    proc, marks, _ = _start(tmp_path, ["-n", "2"])
+    workers: list[psutil.Process] = []
+    try:
+        _wait_for(marks, 2, proc)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2
+        proc.kill()  # SIGKILL: the controller cannot tell its workers anything
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=3.0)
+        assert alive == [], ("xdist workers still alive 3 s after the controller: "
+                             f"{[p.pid for p in alive]}")
+    finally:
+        for p in [psutil.Process(proc.pid), *workers] if proc.poll() is None \
+                else workers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def test_run_stopped_by_a_usage_error_leaves_no_empty_run_folder(tmp_path: Path
+                                                                 ) -> None:
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "late_usage_error.py").write_text(
+        "import pytest\n\n"
+        "@pytest.hookimpl(trylast=True)\n"
+        "def pytest_configure(config):\n"
+        "    raise pytest.UsageError('late plugin refuses')\n")
+    run = run_suite([*write_tests(tmp_path / "t", SLOW_TESTS), "-p",
+                     "late_usage_error", "-p", "no:xdist"], tmp_path / "r",
+                    env={"PYTHONPATH": f"{plug}{os.pathsep}{REPO_ROOT}"})
+    assert run.rc == 4 and "late plugin refuses" in run.stdout, run.tail()
+    assert not (tmp_path / "r").exists()

@@ -46,10 +46,13 @@ the connector's store between lookup and load) are :class:`FileStoreInjector` an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -404,6 +407,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
                 or key in self._emitted or not self._counter.hit(key)):
             return
         self._emitted.add(key)
+        self.injected.append((self.mode, rid, "planned"))
         ids = blocks.get_block_ids()[0]
         b = self._block_size
         local = self._local.get(rid, 0)
@@ -481,3 +485,218 @@ def _block_dim(t: Any, num_blocks: int) -> int:
     if len(dims) > 1 and dims[0] == 0 and t.shape[0] == 2:
         return dims[1]
     return dims[0]
+
+
+# ------------------------------------------------------- store-level fault injectors
+class FileStoreInjector:
+    """Damages a file-based store (files under one directory), between steps.
+
+    Entries are the files under ``root``; ``entries_since(mark())`` are the files
+    a step wrote. ``lose`` deletes them, ``corrupt`` flips bits in the last
+    quarter of each (the payload; a header at the start still parses), ``tear``
+    truncates each to half its size, and ``failing_saves`` makes every file write
+    of the worker's save calls fail: the process's file-size limit
+    (``RLIMIT_FSIZE``) is lowered to 16 bytes around ``save_kv_layer`` /
+    ``wait_for_save`` (CPython ignores ``SIGXFSZ``, so the write returns
+    ``EFBIG``; this works for root too).
+
+    Attributes:
+        kinds: the faults this injector makes.
+        between_lookup_and_load: it can act after the lookup, before the load.
+
+    """
+
+    kinds = frozenset({"lose", "corrupt", "tear", "fail_save"})
+    between_lookup_and_load = True
+    FAILED_WRITE_LIMIT = 16  # bytes a failing save may still write
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def mark(self) -> dict[Path, tuple[int, int]]:
+        """Every file under the root with (mtime_ns, size)."""
+        out = {}
+        for p in self.root.rglob("*") if self.root.is_dir() else ():
+            if p.is_file():
+                st = p.stat()
+                out[p] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def entries_since(self, mark: dict[Path, tuple[int, int]]) -> list[Path]:
+        """Files written or changed since ``mark``."""
+        now = self.mark()
+        return sorted(p for p, v in now.items() if mark.get(p) != v)
+
+    def lose(self, entries: Iterable[Path]) -> None:
+        """Delete the entries' files."""
+        for p in entries:
+            p.unlink(missing_ok=True)
+
+    def corrupt(self, entries: Iterable[Path]) -> None:
+        """Flip one bit in 8 bytes spread over the last quarter of each file."""
+        for p in entries:
+            data = bytearray(p.read_bytes())
+            lo = len(data) * 3 // 4
+            for i in range(8):
+                j = lo + (len(data) - lo) * i // 8
+                if j < len(data):
+                    data[j] ^= 0x40
+            p.write_bytes(bytes(data))
+
+    def tear(self, entries: Iterable[Path]) -> None:
+        """Truncate each file to half its size (a torn write)."""
+        for p in entries:
+            with open(p, "r+b") as f:
+                f.truncate(p.stat().st_size // 2)
+
+    @contextlib.contextmanager
+    def failing_saves(self, worker: Any) -> Iterator[None]:
+        """Every save of ``worker`` (a ConnectorWorker) fails while inside."""
+        import resource
+
+        c = worker.connector
+        names = ("save_kv_layer", "wait_for_save")
+        saved = {n: getattr(c, n) for n in names}
+
+        def failing(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*a: Any, **kw: Any) -> Any:
+                old = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE,
+                                   (self.FAILED_WRITE_LIMIT, old[1]))
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            return call
+
+        for n in names:
+            setattr(c, n, failing(saved[n]))
+        try:
+            yield
+        finally:
+            for n in names:
+                setattr(c, n, saved[n])
+
+
+class ObjectStoreInjector:
+    """Damages a store that is a Python object of the scheduler-side connector.
+
+    The store index is found by walking the connector's attributes (4 levels) for
+    the dict that grew when a prompt was stored, preferring one whose owner has a
+    ``remove(key)`` method (a cache policy: removing through it keeps its own books
+    consistent), then the one that grew the most; ``mark()`` records every
+    reachable dict's keys and ``entries_since`` returns that dict's new keys.
+    ``lose`` removes the entries, ``tear`` the later half (insertion order).
+    The scheduler plans a load in the same ``schedule()`` call as its lookup, so
+    this injector acts before the lookup (``between_lookup_and_load = False``):
+    the store evicted the entry and the connector must answer a shorter match.
+    """
+
+    kinds = frozenset({"lose", "tear"})
+    between_lookup_and_load = False
+    MAX_DEPTH = 4
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def _mappings(self) -> list[tuple[Any, dict[Any, Any]]]:
+        """(owner, dict) for every dict attribute reachable from the connector."""
+        seen: set[int] = set()
+        out: list[tuple[Any, dict[Any, Any]]] = []
+
+        def walk(obj: Any, depth: int) -> None:
+            if id(obj) in seen or depth > self.MAX_DEPTH:
+                return
+            seen.add(id(obj))
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict) or type(obj).__module__.startswith(
+                    ("torch", "builtins")):
+                return
+            for v in attrs.values():
+                if isinstance(v, dict):
+                    out.append((obj, v))
+                else:
+                    walk(v, depth + 1)
+
+        walk(self.connector, 0)
+        return out
+
+    def mark(self) -> dict[int, set[Any]]:
+        """Every reachable dict's keys."""
+        return {id(m): set(m) for _, m in self._mappings()}
+
+    def entries_since(self, mark: dict[int, set[Any]]
+                      ) -> list[tuple[Callable[[Any], Any], Any]]:
+        """(remover, key) for the new keys of the dict that grew the most."""
+        grown = []
+        for owner, m in self._mappings():
+            before = mark.get(id(m), set())
+            new = [k for k in list(m) if k not in before]
+            remove = getattr(owner, "remove", None)
+            if new:
+                grown.append((callable(remove), len(new), owner, m, new))
+        if not grown:
+            return []
+        owned, _, owner, m, new = max(grown, key=lambda g: (g[0], g[1]))
+        rm = owner.remove if owned else (lambda k, _m=m: _m.pop(k, None))
+        return [(rm, k) for k in new]
+
+    def lose(self, entries: Sequence[tuple[Callable[[Any], Any], Any]]) -> None:
+        """Remove every entry."""
+        for remove, k in entries:
+            remove(k)
+
+    def tear(self, entries: Sequence[tuple[Callable[[Any], Any], Any]]) -> None:
+        """Remove the later half of the entries (insertion order)."""
+        self.lose(list(entries)[len(entries) // 2:])
+
+
+def fault_injector_for(profile: Any, rig: Any) -> Any:
+    """The store fault injector for a rig: the profile's hook, else a built-in.
+
+    ``connector.fault_injector = "module:function"`` is called with the rig and
+    returns an injector (an object with ``kinds``, ``between_lookup_and_load``,
+    ``mark``, ``entries_since`` and one method per kind). Empty: a
+    :class:`FileStoreInjector` on the first directory path of the connector's
+    ``kv_connector_extra_config`` (after the suite moved it to this session's
+    store folder), else an :class:`ObjectStoreInjector` on the scheduler-side
+    connector.
+
+    Raises:
+        FaultConfigError: the hook cannot be imported or called.
+
+    """
+    import importlib
+
+    spec = ""
+    try:
+        spec = profile["connector"]["fault_injector"]
+    except KeyError:
+        pass
+    if spec:
+        mod, _, fn = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(mod), fn)(rig)
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise FaultConfigError(
+                f"connector.fault_injector = {spec!r}: {type(exc).__name__}: {exc}"
+            ) from None
+    extra = rig.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    for v in _strings(extra):
+        if os.path.isabs(v) and (os.path.isdir(v) or not os.path.exists(v)) and (
+                Path(v).parent.is_dir()):
+            Path(v).mkdir(parents=True, exist_ok=True)
+            return FileStoreInjector(v)
+    conn = rig.scheduler.connector
+    return ObjectStoreInjector(getattr(conn, "inner", conn))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str) and value:
+        yield value

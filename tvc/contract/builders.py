@@ -73,6 +73,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      num_kv_heads: int = 2, head_size: int = 64,
                      dtype: str = "float16", max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                      max_num_batched_tokens: int = DEFAULT_MAX_MODEL_LEN,
+                     max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
                      device: str = "cpu") -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
@@ -87,6 +88,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         dtype: model and KV cache dtype name (``float16`` / ``bfloat16``).
         max_model_len: tokens.
         max_num_batched_tokens: scheduler token budget per step.
+        max_num_seqs: requests per step at most.
         kv_transfer_config: override of the profile's dict (configuration tests).
             Either way, store paths inside the profile's scratch directory are
             moved to this session's store folder
@@ -113,7 +115,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                                skip_tokenizer_init=True,
                                max_model_len=max_model_len)
     sched_kwargs: dict[str, Any] = dict(
-        max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, enable_chunked_prefill=True,
         is_encoder_decoder=False, async_scheduling=False)
     scheduler_config = SchedulerConfig(**sched_kwargs)
@@ -214,7 +216,8 @@ def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
 
 def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                  shared_prefix: Sequence[int] = (), max_tokens: int = 2,
-                 request_id: str | None = None) -> Any:
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 lora_request: Any = None) -> Any:
     """A vLLM ``Request`` with vLLM's own block hasher.
 
     Args:
@@ -224,6 +227,9 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
         shared_prefix: token ids the prompt starts with (prefix-sharing tests).
         max_tokens: output tokens before the request finishes by length.
         request_id: default ``req-<n>``.
+        cache_salt: vLLM's per-tenant ``cache_salt`` (mixed into the first
+            block's hash).
+        lora_request: a ``LoRARequest`` (its name is mixed into every block hash).
 
     Returns:
         ``vllm.v1.request.Request``.
@@ -248,5 +254,6 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(request_id=request_id or f"req-{n}",
                    prompt_token_ids=prefix + tail, sampling_params=params,
-                   pooling_params=None,
+                   pooling_params=None, cache_salt=cache_salt,
+                   lora_request=lora_request,
                    block_hasher=get_request_block_hasher(block_size, sha256))

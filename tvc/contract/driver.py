@@ -20,6 +20,10 @@ from tvc.contract.worker import JobAckWorker, unwrap_metadata
 
 
 # ---------------------------------------------------------------------------- driver
+class EngineStepError(AssertionError):
+    """An exception escaped an engine step (the message names step and stage)."""
+
+
 @dataclass
 class StepRecord:
     """What one engine step did, for the checks."""
@@ -39,9 +43,19 @@ class EngineDriver:
             the worker kind is chosen from the first metadata seen).
         serialize: send each step's connector metadata through
             :func:`round_trip` (as the multiprocess executor does).
-        matched: request id -> tokens the connector reported as matched when the
-            request was admitted (``num_computed_tokens`` after admission minus
-            the local prefix cache hit).
+        matched: request id -> every answer of ``get_num_new_matched_tokens``:
+            (local computed tokens vLLM passed in, tokens returned, async flag).
+        before_worker: optional ``callable(scheduler_output)`` run after
+            ``schedule()`` (the connector's lookup) and before the worker step
+            (its load): where a fault scenario touches the store.
+        num_steps: engine steps run.
+        match_steps: request id -> the step of each ``get_num_new_matched_tokens``
+            answer (parallel to :attr:`matched`).
+
+    An exception other than ``AssertionError`` raised inside a step is re-raised
+    as :class:`EngineStepError` naming the step and the stage (schedule, worker,
+    update_from_output): a connector reports failures through vLLM's
+    interface, never by raising out of the engine step.
 
     """
 
@@ -56,6 +70,9 @@ class EngineDriver:
     finished_recving: set[str] = field(default_factory=set)
     metas: list[Any] = field(default_factory=list)
     max_steps: int = 200
+    before_worker: Any = None
+    num_steps: int = 0
+    match_steps: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._wrap_connector()
@@ -77,8 +94,34 @@ class EngineDriver:
             the ``SchedulerOutput``.
 
         """
+        self.num_steps += 1
+        stage = "schedule (scheduler-side connector)"
+        try:
+            so = self.scheduler.schedule()
+            stage = "between lookup and load (scenario hook)"
+            if self.before_worker is not None:
+                self.before_worker(so)
+            stage = "worker step (worker-side connector)"
+            mro = self._worker_step(so)
+            stage = "update_from_output (scheduler-side connector)"
+            self.scheduler.update_from_output(so, mro)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            raise EngineStepError(
+                f"engine step {self.num_steps} ({stage}) raised "
+                f"{type(exc).__name__}: {exc} — an exception escaped the engine "
+                "step. A connector must report a failed load through vLLM's "
+                "interface (get_block_ids_with_load_errors, failed receives) "
+                "and absorb a failed save, never raise") from exc
+        self.history.append(StepRecord(dict(so.num_scheduled_tokens),
+                                       type(so.kv_connector_metadata).__name__,
+                                       sorted(so.finished_req_ids)))
+        return so
+
+    def _worker_step(self, so: Any) -> Any:
+        """The worker's half of a step: returns the ``ModelRunnerOutput``."""
         sched = self.scheduler
-        so = sched.schedule()
         meta = so.kv_connector_metadata
         if meta is not None:
             self.metas.append(meta)
@@ -101,12 +144,7 @@ class EngineDriver:
             req_ids.append(rid)
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([SAMPLED_TOKEN_ID] if done_prefill else [])
-        mro = compat.model_runner_output(req_ids, sampled, kv_out)
-        sched.update_from_output(so, mro)
-        self.history.append(StepRecord(dict(so.num_scheduled_tokens),
-                                       type(meta).__name__,
-                                       sorted(so.finished_req_ids)))
-        return so
+        return compat.model_runner_output(req_ids, sampled, kv_out)
 
     def _wrap_connector(self) -> None:
         """Record what the scheduler-side connector answers vLLM.
@@ -125,6 +163,8 @@ class EngineDriver:
             n, is_async = (ret if isinstance(ret, tuple) else (ret, False))
             self.matched.setdefault(request.request_id, []).append(
                 (num_computed_tokens, n, bool(is_async)))
+            self.match_steps.setdefault(request.request_id, []).append(
+                self.num_steps)
             if n is not None:
                 assert_match_within_prompt(request, num_computed_tokens, int(n),
                                            bool(is_async))

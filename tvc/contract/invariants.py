@@ -79,6 +79,21 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
     """
     n = request.num_tokens
     limit = n if is_async else n - 1
+    assert matched >= 0, (
+        f"get_num_new_matched_tokens for {request.request_id} ({n} tokens, "
+        f"{local} computed locally, {request.num_preemptions} preemption(s)) "
+        f"returned {matched}, a negative token count: the connector subtracts "
+        "num_computed_tokens from a shorter match (after a preemption vLLM's "
+        "local prefix cache can cover more than the connector's match); return "
+        "max(0, match - num_computed_tokens)")
+    if local and matched <= limit < local + matched:
+        raise AssertionError(
+            f"get_num_new_matched_tokens for {request.request_id} ({n} tokens) "
+            f"returned {matched} although vLLM passed num_computed_tokens={local} "
+            f"(its local prefix cache hit): local + matched = {local + matched} > "
+            f"{limit}. The connector ignores the local hit (or answers a stale "
+            "count from an earlier lookup); it must return only the tokens beyond "
+            "num_computed_tokens")
     assert local + matched <= limit, (
         f"get_num_new_matched_tokens for {request.request_id} ({n} tokens, "
         f"{local} computed locally) returned {matched} "
@@ -86,9 +101,6 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
         f"{local + matched} > {limit}. The connector counts the last prompt "
         "token, which vLLM must always recompute to sample; match at most "
         "the first len - 1 tokens")
-    assert matched >= 0, (
-        f"get_num_new_matched_tokens for {request.request_id} returned {matched}, "
-        "a negative token count")
 
 
 def assert_block_aligned(matched: int, block_size: int, prompt_len: int) -> None:
@@ -204,3 +216,46 @@ def iter_finished_returns(driver: EngineDriver) -> Iterable[tuple[str, str, Any]
     """(request id, method name, returned value) for every finished request."""
     for rid, (name, ret) in driver.finished_returns.items():
         yield rid, name, ret
+
+
+def snapshot_kv(worker: Any) -> dict[str, Any]:
+    """A copy of every KV tensor of a ``ConnectorWorker``.
+
+    For :func:`assert_untouched_outside`.
+    """
+    return {name: t.clone() for name, t in worker.kv_caches.items()}
+
+
+def assert_untouched_outside(worker: Any, snapshot: dict[str, Any],
+                             owned: Iterable[int], what: str) -> None:
+    """No KV block outside ``owned`` changed since ``snapshot``, in any layer.
+
+    Args:
+        worker: the :class:`ConnectorWorker`.
+        snapshot: from :func:`snapshot_kv`.
+        owned: block ids the requests of the phase hold (they may change).
+        what: the phase, for the message.
+
+    Raises:
+        AssertionError: names the layer and the first block that changed.
+
+    """
+    import torch
+
+    owned = set(owned)
+    for name, kv in worker.kv_caches.items():
+        before = snapshot[name]
+        nb = kv.shape[0] if kv.dim() == 4 else kv.shape[1]
+        others = torch.tensor(sorted(set(range(nb)) - owned), dtype=torch.long,
+                              device=kv.device)
+        if kv.dim() == 4:
+            diff = kv[others].ne(before[others]).reshape(len(others), -1).any(1)
+        else:
+            diff = kv[:, others].ne(before[:, others]).transpose(0, 1).reshape(
+                len(others), -1).any(1)
+        if bool(diff.any()):
+            bad = int(others[diff.nonzero()[0]])
+            raise AssertionError(
+                f"{what}: layer {name}, block {bad}, which no request of this "
+                "phase holds, changed: the connector writes into blocks vLLM did "
+                "not give it")

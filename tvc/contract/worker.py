@@ -109,8 +109,17 @@ class ConnectorWorker:
     Attributes:
         connector: the worker-role connector made by ``KVConnectorFactory``.
         kv_caches: layer name -> KV tensor (see :func:`allocate_kv_caches`).
-        loaded: request id -> number of tokens whose slots were verified right
-            after their load (filled by :meth:`execute`).
+        loaded: request id -> number of tokens vLLM counted as computed (local
+            prefix cache hit + connector load) when the request first computed;
+            their slots are verified in that step (filled by :meth:`execute`; a
+            request resumed after preemption is verified again).
+        load_errors: one sentence per request whose verified slots differ.
+        reported_invalid_blocks: every block the connector reported through
+            ``get_block_ids_with_load_errors`` (mismatches at or after a
+            request's first reported block are excused: vLLM recomputes them).
+        reported_loads: request id -> first token of its first reported block.
+        verified: request id -> token ranges verified.
+        resumed: request ids seen resumed after preemption, in order.
 
     """
 
@@ -138,6 +147,8 @@ class ConnectorWorker:
         self.loaded: dict[str, int] = {}
         self.reported_invalid_blocks: set[int] = set()
         self.reported_loads: dict[str, int] = {}
+        self.verified: dict[str, list[tuple[int, int]]] = {}
+        self.resumed: list[str] = []
 
     def zero(self) -> None:
         """Zero every KV tensor (the load must then restore exactly the hit)."""
@@ -159,6 +170,10 @@ class ConnectorWorker:
             if new is not None:
                 if rid in getattr(cr, "resumed_req_ids", ()):
                     self.block_table[rid] = list(new[0])
+                    # resumed after preemption: what vLLM counts as computed
+                    # (local prefix cache + connector) is verified again
+                    self.loaded.pop(rid, None)
+                    self.resumed.append(rid)
                 else:
                     self.block_table.setdefault(rid, []).extend(new[0])
             n = so.num_scheduled_tokens[rid]
@@ -196,9 +211,43 @@ class ConnectorWorker:
                         f"({int((~per_tok).sum())} of {end - start} tokens differ)")
         return ""
 
+    def find_shift(self, req_id: str, start: int, end: int, max_shift: int
+                   ) -> int | None:
+        """The offset d (0 < |d| <= max_shift) such that token t's KV sits at t + d.
+
+        A diagnosis for a failed :meth:`verify_range`: loaded KV written d tokens
+        away from its slots. Only tokens whose shifted slot lies inside the
+        request's blocks are compared (first layer).
+
+        Returns:
+            d, or None when no single shift explains the slots.
+
+        """
+        import torch
+
+        cap = len(self.block_table[req_id]) * self.block_size
+        kv = self.kv_caches[self.names[0]]
+        for d in sorted(range(-max_shift, max_shift + 1), key=abs):
+            lo, hi = max(start, -d, 0), min(end, cap - d)
+            if d == 0 or hi - lo < 1:
+                continue
+            _, _, pos, tok = self._token_slots(req_id, lo, hi)
+            blocks, offs, _ = slots_for(self.block_table[req_id], lo + d, hi + d,
+                                        self.block_size)
+            got = token_view(kv, blocks.to(kv.device), offs.to(kv.device))
+            want = pattern_values(kv, 0, pos, tok)
+            if torch.equal(got, want):
+                return d
+        return None
+
     def write_pattern(self, req_id: str, start: int, end: int) -> None:
-        """The fake attention: write the pattern into tokens [start, end)."""
-        end = min(end, len(self.tokens[req_id]))
+        """The fake attention: write the pattern into tokens [start, end).
+
+        Positions past the prompt hold the driver's sampled token
+        (``SAMPLED_TOKEN_ID``), so decoded tokens get their KV too (a request
+        resumed after preemption finds them in vLLM's local prefix cache).
+        """
+        end = min(end, len(self.block_table[req_id]) * self.block_size)
         if end <= start:
             return
         blocks, offs, pos, tok = self._token_slots(req_id, start, end)
@@ -212,9 +261,13 @@ class ConnectorWorker:
         """(block ids, offsets, positions, token ids) of tokens [start, end)."""
         import torch
 
+        from tvc.contract.builders import SAMPLED_TOKEN_ID
+
         blocks, offs, pos = slots_for(self.block_table[req_id], start, end,
                                       self.block_size)
-        tok = torch.tensor(self.tokens[req_id][start:end], dtype=torch.long)
+        toks = self.tokens[req_id][start:end]
+        toks = toks + [SAMPLED_TOKEN_ID] * (end - start - len(toks))
+        tok = torch.tensor(toks, dtype=torch.long)
         return blocks, offs, pos, tok
 
     def execute(self, so: Any, meta: Any) -> Any:
@@ -236,18 +289,22 @@ class ConnectorWorker:
             for name in self.names:
                 c.wait_for_layer_load(name)
             # Tokens the scheduler counts as computed but this step does not
-            # compute were loaded by the connector: verify them before attention.
+            # compute were loaded by the connector (or are vLLM's local prefix
+            # cache hit): verify them once this step's attention has written
+            # its tokens (a local hit may be a block another request of the
+            # same step computes).
+            for rid, start, end in work:
+                self.write_pattern(rid, start, end)
             suspect: list[tuple[str, int, str]] = []
             for rid, start, _end in work:
                 if rid in self.loaded:
                     continue
                 self.loaded[rid] = start
                 if start > 0:
+                    self.verified.setdefault(rid, []).append((0, start))
                     msg = self.verify_range(rid, 0, start)
                     if msg:
                         suspect.append((rid, start, msg))
-            for rid, start, end in work:
-                self.write_pattern(rid, start, end)
             for name in self.names:
                 c.save_kv_layer(name, self.kv_caches[name],
                                 self.forward_context.attn_metadata[name])

@@ -1,0 +1,771 @@
+"""Engine scenarios where real connector faults live, each a plain function.
+
+Every scenario drives vLLM's own V1 scheduler (and the connector's real worker side
+where ``connector.worker_devices`` allows, else the transfer-acknowledging stand-in)
+step by step — ``schedule()``, the worker, ``update_from_output()`` — through an
+:class:`~tvc.contract.driver.EngineDriver`, then applies the contract invariants:
+
+* every answer of ``get_num_new_matched_tokens``: ``0 <= matched`` and
+  ``local + matched <= len - 1`` (``len`` when asynchronous), checked when the
+  connector answers (:func:`~tvc.contract.invariants.assert_match_within_prompt`);
+* matched tokens are whole blocks;
+* the KV of EVERY request that loaded is bit-identical to what was stored, at the
+  right slots (:class:`~tvc.contract.worker.ConnectorWorker` verifies the tokens
+  vLLM counts as computed in the step a request first computes, and again after a
+  preemption); no block outside the phase's requests changed;
+* the scheduler is empty and every KV block is free at the end.
+
+A scenario that did not happen (no hit, no preemption, no load in flight) fails:
+each asserts its premise. Prompt lengths come from the connector's granularity
+(``profile.granularity_tokens(B)``: tokens per stored unit, default ``B``), so every
+scenario stores whole chunks; :class:`ScenarioError` names a plan that cannot work
+(a prompt shorter than one chunk, a tier whose every expected hit is 0).
+
+Each function takes ``make_rig`` (``**kw -> Rig``, see :func:`tvc.contract.make_rig`)
+and the profile, and returns a summary dict (recorded as a test property).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tvc.contract.driver import external_hit
+from tvc.contract.invariants import (
+    assert_block_aligned,
+    assert_hit_matches_rule,
+    assert_loaded_kv_bit_identical,
+    assert_scheduler_empty_and_no_leaked_blocks,
+    assert_untouched_outside,
+    snapshot_kv,
+)
+from tvc.contract.rig import Rig
+from tvc.contract.worker import ConnectorWorker
+
+MakeRig = Callable[..., Rig]
+BLOCK_SIZE = 16  # B of every scenario rig (vLLM's default block size on CUDA)
+
+
+class ScenarioError(Exception):
+    """A scenario cannot be planned for this connector (message says why)."""
+
+
+class NotApplicable(Exception):  # noqa: N818 - reads as a reason to skip
+    """The scenario does not apply to this connector or box (message says why)."""
+
+
+# ------------------------------------------------------------------ planning
+def chunk_tokens(profile: Any, block_size: int) -> int:
+    """Tokens the connector stores per unit (``connector.granularity``, default B).
+
+    Args:
+        profile: the target profile.
+        block_size: B in tokens.
+
+    Returns:
+        tokens per stored chunk (a multiple of nothing in particular; >= 1).
+
+    """
+    fn = getattr(profile, "granularity_tokens", None)
+    return int(fn(block_size)) if callable(fn) else block_size
+
+
+def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
+    """Length of a prompt of ``chunks`` whole chunks plus ``tail`` tokens.
+
+    Raises:
+        ScenarioError: the prompt is shorter than one chunk (the connector stores
+            nothing for it, so the scenario would prove nothing).
+
+    """
+    c = chunk_tokens(profile, block_size)
+    n = chunks * c + tail
+    if n < c or n < 2:
+        raise ScenarioError(
+            f"a {n}-token prompt is shorter than one chunk: this connector stores "
+            f"whole chunks of {c} tokens (connector.granularity at B={block_size}), "
+            "so it stores nothing for it. Use prompts of at least one chunk")
+    return n
+
+
+def rule_hit(profile: Any, n: int, block_size: int) -> int | None:
+    """Tokens the profile's ``connector.hit_rule`` expects for a stored n-token prompt.
+
+    Returns:
+        the expected external hit from an empty local cache; None without a rule.
+
+    """
+    if not profile["connector"]["hit_rule"]:
+        return None
+    return int(profile.expected_hit_tokens(n, block_size))
+
+
+def require_hits(profile: Any, lengths: Iterable[int], block_size: int,
+                 max_len: int) -> None:
+    """A tier in which every expected hit is 0 is an error, never a pass.
+
+    Raises:
+        ScenarioError: ``vacuous: ...`` naming the chunk and the longest prompt.
+
+    """
+    lengths = sorted(set(lengths))
+    hits = [rule_hit(profile, n, block_size) for n in lengths]
+    if any(h is None for h in hits) or any(hits):
+        return
+    c = chunk_tokens(profile, block_size)
+    raise ScenarioError(
+        f"vacuous: this connector stores whole chunks of {c} tokens; the prompts "
+        f"tried stop at {lengths[-1]} (max_model_len {max_len}), so its hit_rule "
+        "expects 0 for every one and no scenario would load anything. Lower "
+        "connector.granularity or raise the prompt lengths")
+
+
+def scenario_lengths(profile: Any, block_size: int = BLOCK_SIZE) -> dict[str, int]:
+    """The prompt length each scenario uses (whole chunks plus a short tail).
+
+    Raises:
+        ScenarioError: a length is shorter than a chunk, or every hit is 0.
+
+    """
+    c = chunk_tokens(profile, block_size)
+    tail = max(1, block_size // 2 + 1)
+    out = {
+        "single": prompt_len(profile, block_size, 2, tail),
+        "long": prompt_len(profile, block_size, 4, tail),
+    }
+    from tvc.contract.builders import DEFAULT_MAX_MODEL_LEN
+
+    if max(out.values()) > DEFAULT_MAX_MODEL_LEN - 128:
+        raise ScenarioError(
+            f"vacuous: this connector stores whole chunks of {c} tokens; the prompts "
+            f"tried stop at {DEFAULT_MAX_MODEL_LEN - 128} (max_model_len "
+            f"{DEFAULT_MAX_MODEL_LEN}), so no prompt of several chunks fits. Lower "
+            "connector.granularity")
+    require_hits(profile, out.values(), block_size, DEFAULT_MAX_MODEL_LEN)
+    return out
+
+
+# ------------------------------------------------------------------ checks
+def real_worker(rig: Rig) -> ConnectorWorker | None:
+    """The connector's real worker side, or None (stand-in / no worker)."""
+    return rig.worker if isinstance(rig.worker, ConnectorWorker) else None
+
+
+def check_hit(rig: Rig, request: Any, expected_total: int | None, what: str
+              ) -> tuple[int, int]:
+    """The connector's answer for ``request`` is aligned and equals the rule.
+
+    ``local + matched`` (vLLM's local prefix cache hit plus the connector's
+    match) must equal the profile's rule for the prompt: the connector matches
+    from ``num_computed_tokens`` on, to the same end as from an empty cache.
+
+    Returns:
+        (local, matched).
+
+    """
+    local, matched, _ = external_hit(rig.driver, request)
+    n = request.num_prompt_tokens
+    assert_block_aligned(matched, rig.block_size, n)
+    if expected_total is not None:
+        want = max(expected_total, local)
+        if local + matched != want:
+            prof_rule = rig.vllm_config.kv_transfer_config
+            raise AssertionError(
+                f"{what}: {n}-token prompt, {local} tokens in vLLM's local prefix "
+                f"cache: the connector matched {matched} (local + matched = "
+                f"{local + matched}), the profile's hit_rule expects "
+                f"{expected_total} in total, i.e. {want - local} beyond "
+                f"num_computed_tokens={local} ({prof_rule.kv_connector})")
+    return local, matched
+
+
+def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
+    """Every request that matched external tokens loaded them bit-identically.
+
+    With the real worker: each such request computed (``worker.loaded``) from at
+    least ``min(local + matched, len - 1)`` (or from a block the connector
+    reported as failed), and ``worker.load_errors`` is empty.
+
+    Returns:
+        how many requests loaded (matched > 0).
+
+    Raises:
+        AssertionError: a load did not land, or landed wrong (names the request).
+
+    """
+    w = real_worker(rig)
+    n_loaded = 0
+    for r in requests:
+        local, matched, _ = external_hit(rig.driver, r)
+        if matched <= 0:
+            continue
+        n_loaded += 1
+        if w is None:
+            continue
+        rid = r.request_id
+        start = w.loaded.get(rid)
+        reported = w.reported_loads.get(rid)
+        if reported is not None or getattr(r, "status", None) is not None and \
+                "ERROR" in str(r.status):
+            continue
+        want = min(local + matched, r.num_prompt_tokens - 1)
+        assert start is not None and start >= want, (
+            f"{what}: request {rid} matched {matched} external tokens "
+            f"({local} local) but started computing at token {start}, expected "
+            f"{want}: the load was lost between the scheduler and the worker")
+    if w is not None:
+        errs = [e for e in w.load_errors]
+        assert not errs, (
+            f"{what}: loaded KV differs from what was stored for {len(errs)} "
+            f"request(s): {errs[0]}. Every request that loads must get exactly its "
+            "own KV")
+    return n_loaded
+
+
+def finish(rig: Rig) -> None:
+    """End of every scenario: bit-identical loads, empty scheduler, no leak."""
+    w = real_worker(rig)
+    if w is not None:
+        assert_loaded_kv_bit_identical(w)
+    assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def _store(rig: Rig, n: int, **kw: Any) -> Any:
+    """Run one prompt to completion (the connector stores it); return it."""
+    r = rig.request(n, **kw)
+    rig.driver.run(r)
+    return r
+
+
+def _replay(rig: Rig, stored: Any, **kw: Any) -> Any:
+    """A new request with ``stored``'s prompt (not yet added)."""
+    return rig.request(stored.num_prompt_tokens,
+                       shared_prefix=stored.prompt_token_ids, **kw)
+
+
+def _cold(rig: Rig) -> None:
+    """Drop vLLM's local prefix cache and zero the worker's KV tensors.
+
+    The next hit must then come from the connector and land in zeroed blocks.
+    """
+    rig.forget_local_cache()
+    w = real_worker(rig)
+    if w is not None:
+        w.zero()
+
+
+# ------------------------------------------------------------------ scenarios
+def local_then_external(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """1. The first k blocks in vLLM's local prefix cache, the rest in the store.
+
+    k is chosen so that ``num_computed_tokens = k * B`` is not a multiple of the
+    connector's chunk (where the chunk is larger than a block).
+
+    1. store a prompt P of several chunks; drop vLLM's local cache (the store
+       keeps P);
+    2. run P's first k blocks (+1 token) locally: they enter vLLM's local prefix
+       cache, which is NOT reset from here on;
+    3. replay P: vLLM passes ``num_computed_tokens = k * B``; the connector must
+       match from there to the rule's end, load at the right slots and leave the
+       locally cached tokens untouched.
+    """
+    rig = make_rig(block_size=BLOCK_SIZE)
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    k = next(k for k in range(1, c // b + 2) if c <= b or (k * b) % c)
+    n = prompt_len(profile, b, -(-k * b // c) + 2, b // 2 + 1)
+    full = _store(rig, n)                                           # 1
+    _cold(rig)
+    head = rig.request(k * b + 1, shared_prefix=full.prompt_token_ids[:k * b])
+    rig.driver.run(head)                                            # 2
+    w = real_worker(rig)
+    snap = snapshot_kv(w) if w else None
+    replay = _replay(rig, full)
+    rig.driver.run(replay)                                          # 3
+    local, matched, _ = external_hit(rig.driver, replay)
+    assert local == k * b, (
+        f"scenario did not happen: vLLM's local prefix cache held {local} tokens "
+        f"of the replayed prompt, expected the {k * b} tokens (k={k} blocks) run "
+        "just before")
+    expected = rule_hit(profile, n, b)
+    check_hit(rig, replay, expected, "local + external")
+    assert matched > 0, (
+        f"scenario did not happen: the connector matched nothing beyond the "
+        f"{local} locally cached tokens of a stored {n}-token prompt")
+    if w is not None:
+        rid = replay.request_id
+        msg = w.verify_range(rid, 0, local)
+        assert not msg, (
+            f"local + external: the connector overwrote locally cached KV before "
+            f"num_computed_tokens={local}: {msg}")
+        end = local + matched
+        msg = w.verify_range(rid, local, end)
+        if msg:
+            d = w.find_shift(rid, local, end, c)
+            shift = (f"; the loaded KV sits {d} tokens from its slots "
+                     f"(num_computed_tokens mod chunk = {local % c})"
+                     if d is not None else "")
+            raise AssertionError(
+                f"local + external: loaded KV of tokens [{local}, {end}) is not at "
+                f"the right slots: {msg}{shift}")
+        check_every_load(rig, [replay], "local + external")
+        assert_untouched_outside(w, snap, w.block_table[rid], "local + external")
+    finish(rig)
+    return {"k_blocks": k, "chunk": c, "prompt_len": n, "local": local,
+            "matched": matched}
+
+
+def shared_prefixes(make_rig: MakeRig, profile: Any, together: bool
+                    ) -> dict[str, Any]:
+    """2. Several requests sharing a prefix, admitted in one step or staggered.
+
+    1. store three prompts that share two chunks and differ after them;
+    2. drop vLLM's local cache and zero the KV;
+    3. replay all three in ONE step (``together``) or one per step (staggered);
+       every request that loads must get exactly its own KV.
+    """
+    rig = make_rig(block_size=BLOCK_SIZE)
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    prefix = rig.request(2 * c).prompt_token_ids
+    lens = [prompt_len(profile, b, 3, b // 2 + 1 + i) for i in range(3)]
+    stored = [rig.request(n, shared_prefix=prefix) for n in lens]
+    rig.driver.run(*stored)                                         # 1
+    _cold(rig)                                                      # 2
+    w = real_worker(rig)
+    snap = snapshot_kv(w) if w else None
+    replays = [_replay(rig, s) for s in stored]
+    if together:                                                    # 3
+        rig.driver.add(*replays)
+    else:
+        for r in replays:
+            rig.driver.add(r)
+            rig.driver.step()
+    admitted = {r.request_id for r in replays}
+    rig.driver.run_until_idle()
+    hits = []
+    for r in replays:
+        hits.append(check_hit(rig, r, rule_hit(profile, r.num_prompt_tokens, b),
+                              "shared prefixes"))
+    loads = check_every_load(rig, replays, "shared prefixes" + (
+        " (admitted in one step)" if together else " (staggered)"))
+    assert loads >= 2, (
+        f"scenario did not happen: {loads} of 3 requests sharing a prefix loaded "
+        f"external KV (hits {hits}); at least two loads in flight were expected")
+    first_asked = {rid: rig.driver.match_steps.get(rid, [0])[0] for rid in admitted}
+    if together:
+        assert len(set(first_asked.values())) == 1, (
+            "scenario did not happen: the three requests were not looked up in one "
+            f"step (first lookup per request: {first_asked})")
+    if w is not None:
+        owned = set().union(*(w.block_table[r.request_id] for r in replays))
+        assert_untouched_outside(w, snap, owned, "shared prefixes")
+    finish(rig)
+    return {"hits": hits, "loads": loads, "first_lookup_step": first_asked}
+
+
+def preemption_and_resume(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """3. A small KV pool and long decodes force preemption; re-admission is sane.
+
+    1. store three prompts;
+    2. drop vLLM's local cache; replay them with long decodes in a pool too small
+       for all three (vLLM preempts one, frees its blocks, re-admits it later and
+       asks the connector again with ``num_computed_tokens`` from its local
+       prefix cache);
+    3. every answer is checked when given (never negative, never beyond
+       ``len - 1``); a resumed request's computed tokens are verified again.
+    """
+    b = BLOCK_SIZE
+    n = prompt_len(profile, b, 2, b // 2 + 1)
+    blocks_per_req = -(-(n + 4 * b) // b)
+    # room for two requests' prompts and decodes, not three: vLLM must preempt
+    rig = make_rig(block_size=b, num_blocks=2 * blocks_per_req + 2)
+    stored = [_store(rig, n) for _ in range(3)]                      # 1
+    _cold(rig)
+    replays = [_replay(rig, s, max_tokens=4 * b) for s in stored]
+    rig.driver.run(*replays)                                        # 2
+    preempted = [r for r in replays if r.num_preemptions > 0]
+    assert preempted, (
+        f"scenario did not happen: no request was preempted (pool "
+        f"{rig.kv_cache_config.num_blocks} blocks, 3 requests of up to "
+        f"{blocks_per_req} blocks)")
+    readmit = [a for r in preempted for a in rig.driver.matched[r.request_id][1:]]
+    assert readmit, (
+        "scenario did not happen: a preempted request was never looked up again")
+    loads = check_every_load(rig, replays, "preemption and resume")
+    w = real_worker(rig)
+    if w is not None:
+        assert set(w.resumed) >= {r.request_id for r in preempted}, (
+            "scenario did not happen: the worker never saw the preempted request "
+            "resumed")
+    finish(rig)
+    return {"preempted": len(preempted), "readmission_answers": readmit,
+            "loads": loads}
+
+
+def abort(make_rig: MakeRig, profile: Any, when: str) -> dict[str, Any]:
+    """4. Abort a request while it waits for remote KV, while it runs, or queued.
+
+    1. store a prompt; drop vLLM's local cache;
+    2. replay it and abort it (``scheduler.finish_requests(..., FINISHED_ABORTED)``,
+       as the API server does when a client goes away):
+       ``waiting_for_remote_kv``: right after the step that admitted it with an
+       asynchronous load; ``running``: after its first computed step with decodes
+       left; ``queued``: before any step;
+    3. run until idle: nothing is left, every block is free.
+    """
+    from vllm.v1.request import RequestStatus
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    n = prompt_len(profile, rig.block_size, 2, rig.block_size // 2 + 1)
+    stored = _store(rig, n)                                         # 1
+    _cold(rig)
+    r = _replay(rig, stored, max_tokens=16)
+    rig.driver.add(r)
+    seen = str(r.status)
+    if when == "waiting_for_remote_kv":
+        rig.driver.step()
+        seen = str(r.status)
+        if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            raise NotApplicable(
+                f"the connector loads synchronously (after admission the request "
+                f"is {r.status.name}, not WAITING_FOR_REMOTE_KVS): no request ever "
+                "waits for remote KV")
+    elif when == "running":
+        for _ in range(rig.driver.max_steps):
+            rig.driver.step()
+            if r.status == RequestStatus.RUNNING and r.num_output_tokens >= 1:
+                break
+        seen = str(r.status)
+        assert r.status == RequestStatus.RUNNING, (
+            f"scenario did not happen: the request never ran (status {seen})")
+    else:
+        assert r.status == RequestStatus.WAITING, seen
+    aborted = rig.scheduler.finish_requests(r.request_id,                # 2
+                                            RequestStatus.FINISHED_ABORTED)
+    assert [a.request_id for a in aborted] == [r.request_id], (
+        f"vLLM did not abort request {r.request_id} (status {seen})")
+    rig.driver.run_until_idle()                                     # 3
+    finish(rig)
+    return {"aborted_while": seen}
+
+
+def fault_wrapper(make_rig: MakeRig, profile: Any, policy: str) -> dict[str, Any]:
+    """5a. A failed load reported through vLLM's interface, under a policy.
+
+    The connector runs inside :class:`tvc.faults.FaultInjectingConnector`
+    (``fail_load`` every 2nd load): the loaded range of one request is overwritten
+    and one block reported via ``get_block_ids_with_load_errors`` (or in the pass
+    that finishes the asynchronous receive).
+
+    1. store three prompts; drop the local cache;
+    2. replay them in one step with ``kv_load_failure_policy = policy``;
+    3. the faulted request is recomputed bit-identically (``recompute``) or
+       finished with an error (``fail``); the other two load bit-identical KV and
+       finish normally; no exception escapes a step; nothing leaks.
+    """
+    from vllm.v1.request import RequestStatus
+
+    from tvc.faults import wrap_kv_transfer_config
+
+    ktc = dict(profile.kv_transfer_config(), kv_load_failure_policy=policy)
+    rig = make_rig(block_size=BLOCK_SIZE,
+                   kv_transfer_config=wrap_kv_transfer_config(ktc, "fail_load", 2))
+    n = prompt_len(profile, rig.block_size, 2, rig.block_size // 2 + 1)
+    stored = [rig.request(n) for _ in range(3)]
+    rig.driver.run(*stored)                                         # 1
+    _cold(rig)
+    replays = [_replay(rig, s) for s in stored]
+    rig.driver.run(*replays)                                        # 2
+    planned = {rid for mode, rid, _ in rig.scheduler.connector.injected
+               if mode == "fail_load"}
+    faulted = [r for r in replays if r.request_id in planned]
+    assert len(faulted) == 1, (
+        f"scenario did not happen: {len(faulted)} load(s) faulted, expected 1 of 3 "
+        f"(hits {[external_hit(rig.driver, r)[1] for r in replays]})")
+    bad = faulted[0]
+    w = real_worker(rig)
+    reported = rig.driver.worker.reported_invalid_blocks if rig.driver.worker else ()
+    assert reported, ("the injected load failure never reached vLLM through "
+                      "get_block_ids_with_load_errors")
+    failed = RequestStatus.FINISHED_ERROR
+    if policy == "fail":
+        assert bad.status == failed, (
+            f"kv_load_failure_policy=fail: the request whose load failed ended "
+            f"{bad.status.name}, expected FINISHED_ERROR")
+    else:
+        assert bad.status != failed, (
+            f"kv_load_failure_policy=recompute: the request whose load failed ended "
+            f"{bad.status.name}; it must be recomputed and finish normally")
+        if w is not None:
+            msg = w.verify_range(bad.request_id, 0, bad.num_prompt_tokens)
+            assert not msg, f"recomputed after a failed load: {msg}"
+    others = [r for r in replays if r is not bad]
+    assert all(r.status != failed for r in others), (
+        "a load failure of one request failed other requests: "
+        f"{[(r.request_id, r.status.name) for r in others]}")
+    check_every_load(rig, others, f"failed load (policy {policy}), other requests")
+    finish(rig)
+    return {"faulted": bad.request_id, "policy": policy,
+            "reported_blocks": sorted(reported)}
+
+
+def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
+                injector_factory: Callable[[Rig], Any]) -> dict[str, Any]:
+    """5b. The connector's own store fails: entry lost, corrupted, torn, save fails.
+
+    ``injector_factory(rig)`` returns the store's fault injector
+    (:func:`tvc.faults.fault_injector_for`).
+
+    lose / corrupt / tear:
+      1. store two prompts A and B; drop the local cache;
+      2. replay both in one step; after the connector's lookup and before the
+         worker's load (or before the lookup, where the injector cannot act in
+         between), damage A's entries;
+      3. no exception escapes a step; A's failure is reported through vLLM's
+         interface (or A matches less), and then: ``recompute`` -> A is
+         recomputed and finishes with correct KV, ``fail`` -> A ends
+         FINISHED_ERROR; B loads bit-identical KV and finishes normally; A's KV
+         is never silently wrong.
+    fail_save:
+      1. store A while every save fails, then B normally;
+      2. replay both: no exception escapes; A matches nothing or loads correct
+         KV (a failed save is never visible to a later lookup); B hits the rule.
+    """
+    from vllm.v1.request import RequestStatus
+
+    ktc = dict(profile.kv_transfer_config(), kv_load_failure_policy=policy)
+    rig = make_rig(block_size=BLOCK_SIZE, kv_transfer_config=ktc)
+    inj = injector_factory(rig)
+    if inj is None or kind not in inj.kinds:
+        raise NotApplicable(
+            f"no fault injector for '{kind}' on this connector's store "
+            f"({type(inj).__name__ if inj else 'none found'}): set "
+            "connector.fault_injector to module:function returning one")
+    b = rig.block_size
+    n = prompt_len(profile, b, 2, b // 2 + 1)
+    w = real_worker(rig)
+    failed = RequestStatus.FINISHED_ERROR
+    if kind == "fail_save":
+        a = rig.request(n)
+        if w is None:
+            raise NotApplicable(
+                "a failing save needs the connector's real worker side, which does "
+                "not run on this device (connector.worker_devices)")
+        with inj.failing_saves(w):
+            rig.driver.run(a)                                       # 1
+        bb = _store(rig, n)
+        _cold(rig)
+        ra, rb = _replay(rig, a), _replay(rig, bb)
+        rig.driver.run(ra, rb)                                      # 2
+        _, ma, _ = external_hit(rig.driver, ra)
+        check_hit(rig, rb, rule_hit(profile, n, b), "after a failed save, B")
+        check_every_load(rig, [ra, rb], "after a failed save")
+        finish(rig)
+        return {"kind": kind, "matched_after_failed_save": ma}
+    a_mark = inj.mark()
+    a = _store(rig, n)
+    a_entries = inj.entries_since(a_mark)
+    assert a_entries, (
+        f"the {type(inj).__name__} found no store entry written for a stored "
+        f"{n}-token prompt")
+    bb = _store(rig, n)                                             # 1
+    _cold(rig)
+    ra, rb = _replay(rig, a), _replay(rig, bb)
+    damage = getattr(inj, kind)
+    if inj.between_lookup_and_load:
+        done: list[bool] = []
+
+        def hook(so: Any) -> None:
+            if not done and ra.request_id in so.num_scheduled_tokens:
+                done.append(True)
+                damage(a_entries)
+
+        rig.driver.before_worker = hook
+    else:
+        damage(a_entries)
+    rig.driver.run(ra, rb)                                          # 2
+    rig.driver.before_worker = None
+    _, ma, _ = external_hit(rig.driver, ra)
+    full = rule_hit(profile, n, b)
+    reported = bool(getattr(rig.driver.worker, "reported_invalid_blocks", ()))
+    less = full is not None and ma < full
+    when = ("between lookup and load" if inj.between_lookup_and_load
+            else "before the lookup")
+    assert reported or less or ra.status == failed, (
+        f"store fault '{kind}' of request {ra.request_id}'s entries ({when}"
+        f"): the connector neither reported it (get_block_ids_with_load_errors / "
+        f"failed receive) nor matched less ({ma} of {full} tokens)")
+    if policy == "fail" and reported:
+        assert ra.status == failed, (
+            f"kv_load_failure_policy=fail: request {ra.request_id} with a reported "
+            f"load failure ended {ra.status.name}, expected FINISHED_ERROR")
+    if ra.status != failed and w is not None:
+        msg = w.verify_range(ra.request_id, 0, n)
+        assert not msg, (f"store fault '{kind}': request {ra.request_id} finished "
+                         f"with wrong KV: {msg}")
+    assert rb.status != failed, (
+        f"store fault '{kind}' of one request failed the other ({rb.request_id})")
+    check_hit(rig, rb, full, f"store fault '{kind}', the undamaged request")
+    check_every_load(rig, [ra, rb], f"store fault '{kind}'")
+    finish(rig)
+    return {"kind": kind, "policy": policy, "matched": ma, "reported": reported}
+
+
+def volume(make_rig: MakeRig, profile: Any, num_prompts: int, seed: int,
+           batch: int = 32) -> dict[str, Any]:
+    """6. A seeded stress: ``num_prompts`` stores and as many loads, mixed lengths.
+
+    Prompts of 1 to 4 chunks plus a random tail (seeded), ``batch`` per step:
+    1. store a batch; 2. drop the local cache and zero the KV; 3. replay the batch:
+    every replay hits the rule and (real worker) loads bit-identical KV. A fault
+    of one in a few hundred operations shows.
+
+    Returns:
+        counts, seconds, stores/s and loads/s.
+
+    """
+    rng = random.Random(seed)
+    b = BLOCK_SIZE
+    c = chunk_tokens(profile, b)
+    max_len = 4 * c + b
+    rig = make_rig(block_size=b, num_blocks=batch * (-(-max_len // b) + 1) + 8,
+                   max_num_seqs=batch)
+    stores = loads = hits_total = 0
+    t_store = t_load = 0.0
+    for start in range(0, num_prompts, batch):
+        lens = [prompt_len(profile, b, rng.randint(1, 4), rng.randint(1, b))
+                for _ in range(min(batch, num_prompts - start))]
+        stored = [rig.request(n) for n in lens]
+        t0 = time.perf_counter()
+        rig.driver.run(*stored)                                     # 1
+        t_store += time.perf_counter() - t0
+        stores += len(stored)
+        _cold(rig)                                                  # 2
+        replays = [_replay(rig, s) for s in stored]
+        t0 = time.perf_counter()
+        rig.driver.run(*replays)                                    # 3
+        t_load += time.perf_counter() - t0
+        for r in replays:
+            _, m = check_hit(rig, r, rule_hit(profile, r.num_prompt_tokens, b),
+                             f"volume (seed {seed})")
+            hits_total += m
+        loads += check_every_load(rig, replays, f"volume (seed {seed})")
+        rig.forget_local_cache()
+    assert loads >= num_prompts // 2, (
+        f"scenario did not happen: only {loads} of {num_prompts} replays loaded")
+    finish(rig)
+    return {"stores": stores, "loads": loads, "hit_tokens": hits_total,
+            "store_s": round(t_store, 2), "load_s": round(t_load, 2),
+            "stores_per_s": round(stores / max(t_store, 1e-9), 1),
+            "loads_per_s": round(loads / max(t_load, 1e-9), 1)}
+
+
+def tenant_isolation(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """7. The same tokens under another cache_salt or LoRA adapter match nothing.
+
+    vLLM mixes ``cache_salt`` into the first block's hash and the LoRA adapter's
+    name into every block's (``vllm/v1/core/kv_cache_utils.py``
+    ``generate_block_hash_extra_keys``); a connector must key its store the same
+    way, or one tenant reads another's KV.
+
+    1. store a prompt (no salt, no adapter); drop the local cache;
+    2. replay it with ``cache_salt="tvc-tenant-b"``, then with a LoRA adapter:
+       both match 0 external tokens;
+    3. replay it plain: the rule's hit (the store does hold it).
+    """
+    from vllm.lora.request import LoRARequest
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    b = rig.block_size
+    n = prompt_len(profile, b, 2, b // 2 + 1)
+    stored = _store(rig, n)                                         # 1
+    seen = {}
+    for label, kw in (("cache_salt", {"cache_salt": "tvc-tenant-b"}),
+                      ("LoRA adapter", {"lora_request": LoRARequest(
+                          "tvc-adapter-b", 1, "/nonexistent/tvc-adapter-b")})):
+        _cold(rig)
+        r = _replay(rig, stored, **kw)
+        rig.driver.run(r)                                           # 2
+        _, m, _ = external_hit(rig.driver, r)
+        seen[label] = m
+        assert m == 0, (
+            f"tenant isolation: the same {n} tokens under another {label} matched "
+            f"{m} external tokens, expected 0: the connector ignores {label} when "
+            "keying its store, so one tenant (or adapter) reads another's KV. Key "
+            "entries by vLLM's block hashes (they include cache_salt and the LoRA "
+            "name) or mix them in")
+    _cold(rig)
+    plain = _replay(rig, stored)
+    rig.driver.run(plain)                                           # 3
+    _, m = check_hit(rig, plain, rule_hit(profile, n, b), "tenant isolation")
+    assert m > 0, ("scenario did not happen: the plain replay matched nothing, so "
+                   "the 0 hits above prove nothing")
+    check_every_load(rig, [plain], "tenant isolation")
+    finish(rig)
+    return {"hits": seen, "plain": m}
+
+
+def granularity(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """8. Prompts at chunk boundaries: 1 to 3 chunks, -1 / +0 / +1 / +B/2 tokens.
+
+    Each prompt is stored and replayed from an empty local cache; the hit must
+    equal the rule, and at least one hit must be non-zero.
+    """
+    rig = make_rig(block_size=BLOCK_SIZE)
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    lengths = sorted({k * c + d for k in (1, 2, 3) for d in (-1, 0, 1, b // 2)
+                      if k * c + d >= c})
+    require_hits(profile, lengths, b, rig.vllm_config.model_config.max_model_len)
+    seen = {}
+    for n in lengths:
+        stored = _store(rig, n)
+        _cold(rig)
+        replay = _replay(rig, stored)
+        rig.driver.run(replay)
+        expected = rule_hit(profile, n, b)
+        _, m, _ = external_hit(rig.driver, replay)
+        seen[n] = m
+        if expected and m == 0:
+            raise AssertionError(
+                f"granularity: a stored {n}-token prompt ({n // c} whole chunk(s) of "
+                f"{c} tokens + {n % c}) matched 0 on replay, the hit_rule expects "
+                f"{expected}: the connector stores nothing for it")
+        if expected is not None:
+            assert_hit_matches_rule(m, expected, n, b, profile["connector"][
+                "hit_rule"], profile["connector"]["hit_rule_source"])
+        check_every_load(rig, [replay], f"granularity ({n} tokens)")
+    assert any(seen.values()), f"vacuous: no prompt of {lengths} hit"
+    finish(rig)
+    return {"chunk": c, "hits": seen}
+
+
+def chunked_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """9. A prompt longer than ``max_num_batched_tokens``, prefilled over steps.
+
+    1. store a prompt of 4 chunks + a tail with a step budget of about one chunk
+       (vLLM schedules it over several steps);
+    2. drop the local cache; replay it (same budget): the whole prompt must have
+       been stored, the replay hits the rule with bit-identical KV.
+    """
+    b = BLOCK_SIZE
+    c = chunk_tokens(profile, b)
+    n = prompt_len(profile, b, 4, b // 2 + 1)
+    budget = max(c, 2 * b)
+    rig = make_rig(block_size=b, max_num_batched_tokens=budget, max_num_seqs=4)
+    first = rig.request(n)
+    rig.driver.run(first)                                           # 1
+    steps = sum(1 for s in rig.driver.history
+                if first.request_id in s.scheduled
+                and s.scheduled[first.request_id] > 1)
+    assert steps >= 2, (f"scenario did not happen: the {n}-token prompt was "
+                        f"prefilled in {steps} step(s) with a budget of {budget}")
+    _cold(rig)
+    replay = _replay(rig, first)
+    rig.driver.run(replay)                                          # 2
+    expected = rule_hit(profile, n, b)
+    _, m = check_hit(rig, replay, expected, f"chunked prefill ({steps} steps)")
+    check_every_load(rig, [replay], f"chunked prefill ({steps} prefill steps)")
+    finish(rig)
+    return {"prompt_len": n, "budget": budget, "prefill_steps": steps,
+            "matched": m}

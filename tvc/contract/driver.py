@@ -51,6 +51,8 @@ class EngineDriver:
         num_steps: engine steps run.
         match_steps: request id -> the step of each ``get_num_new_matched_tokens``
             answer (parallel to :attr:`matched`).
+        on_match: optional ``callable(request, local, matched, is_async)`` run
+            on every answer, after the built-in bounds (a scenario's own check).
 
     An exception other than ``AssertionError`` raised inside a step is re-raised
     as :class:`EngineStepError` naming the step and the stage (schedule, worker,
@@ -73,6 +75,7 @@ class EngineDriver:
     before_worker: Any = None
     num_steps: int = 0
     match_steps: dict[str, list[int]] = field(default_factory=dict)
+    on_match: Any = None
 
     def __post_init__(self) -> None:
         self._wrap_connector()
@@ -168,6 +171,9 @@ class EngineDriver:
             if n is not None:
                 assert_match_within_prompt(request, num_computed_tokens, int(n),
                                            bool(is_async))
+                if self.on_match is not None:
+                    self.on_match(request, num_computed_tokens, int(n),
+                                  bool(is_async))
             return ret
 
         c.get_num_new_matched_tokens = match

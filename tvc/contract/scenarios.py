@@ -383,6 +383,26 @@ def preemption_and_resume(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     stored = [_store(rig, n) for _ in range(3)]                      # 1
     _cold(rig)
     replays = [_replay(rig, s, max_tokens=4 * b) for s in stored]
+
+    def readmission(request: Any, local: int, matched: int, _async: bool) -> None:
+        # 3: what the store can hold beyond vLLM's local hit (the rule at the
+        # prompt's and at the current length: decoded blocks may be stored too)
+        if request.num_preemptions == 0:
+            return
+        totals = [rule_hit(profile, m, b) for m in
+                  (request.num_prompt_tokens, request.num_tokens)]
+        if None in totals:
+            return
+        allowed = max(0, max(totals) - local)
+        assert matched <= allowed, (
+            f"preemption and resume: request {request.request_id} re-admitted "
+            f"after {request.num_preemptions} preemption(s) with "
+            f"num_computed_tokens={local} (vLLM's local prefix cache) matched "
+            f"{matched}; the store holds at most {max(totals)} tokens of it, so "
+            f"at most {allowed} lie beyond num_computed_tokens: the connector "
+            "answers a stale count from before the preemption")
+
+    rig.driver.on_match = readmission
     rig.driver.run(*replays)                                        # 2
     preempted = [r for r in replays if r.num_preemptions > 0]
     assert preempted, (

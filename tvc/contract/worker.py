@@ -205,10 +205,14 @@ class ConnectorWorker:
                 per_tok = eq.reshape(eq.shape[0], -1).all(dim=1) if kv.dim() == 4 \
                     else eq.transpose(0, 1).reshape(eq.shape[1], -1).all(dim=1)
                 bad = int((~per_tok).nonzero()[0])
+                zero = not bool(got[~per_tok].ne(0).any()) if kv.dim() == 4 \
+                    else not bool(got[:, ~per_tok].ne(0).any())
                 return (f"layer {name}: token {start + bad} (block "
                         f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
                         f"hold the KV that was stored for it "
-                        f"({int((~per_tok).sum())} of {end - start} tokens differ)")
+                        f"({int((~per_tok).sum())} of {end - start} tokens differ"
+                        + ("; their slots are still zero: nothing was loaded into "
+                           "them)" if zero else ")"))
         return ""
 
     def find_shift(self, req_id: str, start: int, end: int, max_shift: int
@@ -216,8 +220,8 @@ class ConnectorWorker:
         """The offset d (0 < |d| <= max_shift) such that token t's KV sits at t + d.
 
         A diagnosis for a failed :meth:`verify_range`: loaded KV written d tokens
-        away from its slots. Only tokens whose shifted slot lies inside the
-        request's blocks are compared (first layer).
+        away from its slots. Only tokens whose shifted slot also lies in
+        [start, end) are compared (first layer).
 
         Returns:
             d, or None when no single shift explains the slots.
@@ -228,7 +232,9 @@ class ConnectorWorker:
         cap = len(self.block_table[req_id]) * self.block_size
         kv = self.kv_caches[self.names[0]]
         for d in sorted(range(-max_shift, max_shift + 1), key=abs):
-            lo, hi = max(start, -d, 0), min(end, cap - d)
+            # compare only slots inside [start, end): later slots may hold
+            # tokens this step computed
+            lo, hi = max(start, start - d, 0), min(end, end - d, cap - d)
             if d == 0 or hi - lo < 1:
                 continue
             _, _, pos, tok = self._token_slots(req_id, lo, hi)

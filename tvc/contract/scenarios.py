@@ -216,7 +216,7 @@ def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
             f"({local} local) but started computing at token {start}, expected "
             f"{want}: the load was lost between the scheduler and the worker")
     if w is not None:
-        errs = [e for e in w.load_errors]
+        errs = list(w.load_errors)
         assert not errs, (
             f"{what}: loaded KV differs from what was stored for {len(errs)} "
             f"request(s): {errs[0]}. Every request that loads must get exactly its "
@@ -612,10 +612,13 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
     less = full is not None and ma < full
     when = ("between lookup and load" if inj.between_lookup_and_load
             else "before the lookup")
-    assert reported or less or ra.status == failed, (
-        f"store fault '{kind}' of request {ra.request_id}'s entries ({when}"
-        f"): the connector neither reported it (get_block_ids_with_load_errors / "
-        f"failed receive) nor matched less ({ma} of {full} tokens)")
+    if not (reported or less or ra.status == failed):
+        errs = w.load_errors if w is not None else []
+        raise AssertionError(
+            f"store fault '{kind}' of request {ra.request_id}'s entries ({when}): "
+            "the connector neither reported it (get_block_ids_with_load_errors / "
+            f"failed receive) nor matched less ({ma} of {full} tokens)"
+            + (f"; it loaded the damaged entry silently: {errs[0]}" if errs else ""))
     if policy == "fail" and reported:
         assert ra.status == failed, (
             f"kv_load_failure_policy=fail: request {ra.request_id} with a reported "

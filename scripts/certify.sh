@@ -9,7 +9,7 @@
 # run folder holds junit.xml, summary.json/.md/.html, the server logs and the tier
 # outputs. Strict mode: --tvc-require gpu, plus nvme when the profile has a store
 # ([store] path or [daemon] device_globs), so a missing GPU or store fails instead
-# of skipping. No -n: vLLM servers run one at a time on the GPU. Extra arguments go
+# of skipping. No -n (do not add it): vLLM servers run one at a time. Extra arguments go
 # to pytest as they are (e.g. --tvc-trace-pressure, --tvc-trace-size=large, -x,
 # -k "not variant").
 #
@@ -70,7 +70,7 @@ done
 
 echo "certify: profile $name ($profile), strict: $require, tiers: ${tiers[*]#suites/}"
 echo "certify: run folder $run_dir"
-cmd=("$py" -m pytest -p no:cacheprovider -p no:xdist -rA "${tiers[@]}"
+cmd=("$py" -m pytest -p no:cacheprovider -rA "${tiers[@]}"
      "$opt_profile=$profile" "$opt_require=$require" "$opt_report=$run_dir" "$@")
 if [ -n "${CERTIFY_DRY_RUN:-}" ]; then
   printf '%q ' "${cmd[@]}"; echo

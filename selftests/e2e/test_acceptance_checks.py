@@ -151,29 +151,42 @@ def test_no_twins_where_a_gpu_cache_hit_could_exceed_the_rule():
     assert "no identical requests" in q.notes[0]
 
 
-def test_run_seed_prefers_the_run_state_then_the_environment(monkeypatch):
+def test_run_seed_prefers_a_chosen_seed_then_the_profile_then_the_run(monkeypatch):
     import tvc.session
 
-    profile = SimpleNamespace(data={"e2e": {"seed": 0}})
+    def use(seed, source, profile_seed=0, env=None):
+        profile = SimpleNamespace(data={"e2e": {"seed": profile_seed}})
+        monkeypatch.setattr(tp, "_SEED", [])
+        monkeypatch.setattr(tvc.session, "state", lambda: SimpleNamespace(
+            seed=seed, seed_source=source, profile=profile))
+        if env is None:
+            monkeypatch.delenv("TVC_SEED", raising=False)
+        else:
+            monkeypatch.setenv("TVC_SEED", env)
+        return tp.run_seed()
+
+    assert use(7, "--tvc-seed", profile_seed=5) == (7, "--tvc-seed")
+    assert use(7, "TVC_SEED", profile_seed=5, env="7") == (7, "TVC_SEED")
+    assert use(7, "controller", profile_seed=5, env="7") == (7, "controller")
+    assert use(7, "random", profile_seed=5) == (5, "[e2e] seed")
+    assert use(7, "random") == (7, "run seed (random)")
+    assert tp.run_seed() == (7, "run seed (random)")  # fixed for the process
+    # outside a suite run: TVC_SEED, else random
     monkeypatch.setattr(tp, "_SEED", [])
-    monkeypatch.setattr(tvc.session, "state",
-                        lambda: SimpleNamespace(seed=None, profile=profile))
+
+    def no_state():
+        raise RuntimeError("outside")
+
+    monkeypatch.setattr(tvc.session, "state", no_state)
     monkeypatch.setenv("TVC_SEED", "1234")
     assert tp.run_seed() == (1234, "TVC_SEED")
-    monkeypatch.setattr(tp, "_SEED", [])
-    monkeypatch.setattr(tvc.session, "state",
-                        lambda: SimpleNamespace(seed=99, profile=profile))
-    assert tp.run_seed() == (99, "tvc.session.state().seed")
-    monkeypatch.setattr(tp, "_SEED", [])
-    monkeypatch.delenv("TVC_SEED")
-    monkeypatch.setattr(tvc.session, "state",
-                        lambda: SimpleNamespace(seed=None, profile=profile))
-    seed, source = tp.run_seed()
-    assert source == "random (this run)" and tp.run_seed() == (seed, source)
     monkeypatch.setattr(tp, "_SEED", [])
     monkeypatch.setenv("TVC_SEED", "abc")
     with pytest.raises(ValueError, match="TVC_SEED='abc': expected an integer"):
         tp.run_seed()
+    monkeypatch.setattr(tp, "_SEED", [])
+    monkeypatch.delenv("TVC_SEED")
+    assert tp.run_seed()[1] == "random (this run)"
 
 
 # -------------------------------------------------------------------- concurrency

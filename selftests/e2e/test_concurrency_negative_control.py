@@ -63,8 +63,8 @@ def test_concurrency_check_catches_a_connector_that_cross_serves_kv(tmp_path):
     profile = write_profile(tmp_path)
     pythonpath = os.pathsep.join(
         p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    run = run_suite([ACCEPTANCE, CONCURRENCY, "--profile", str(profile),
-                     "--require", "gpu"], tmp_path / "report",
+    run = run_suite([ACCEPTANCE, CONCURRENCY, "--tvc-profile", str(profile),
+                     "--tvc-require", "gpu"], tmp_path / "report",
                     env={"PYTHONPATH": pythonpath}, timeout_s=900)
     single = run.test("test_second_pass_is_served_from_connector")
     assert single["outcome"] == "passed", (

@@ -54,6 +54,28 @@ TINY_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
     "initializer_range": TINY_INIT_STD,
 }
+# The same tiny Llama with sliding-window attention on every other layer, in the
+# Gemma-2/3 style that vLLM 0.26 and 0.28 read for Llama (model_executor/models/
+# llama.py: a layer whose ``layer_types`` entry is "sliding_attention" gets
+# ``config.sliding_window``; engine/arg_utils.py sets a model-wide window only when
+# every layer slides). A window of 128 tokens (8 blocks of 16) is far below the
+# e2e prompt (600 tokens), so the window matters. It is a hybrid model: vLLM's
+# hybrid KV cache manager gives sliding and full layers separate KV groups, and vLLM
+# turns that manager off for a connector that does not support it (vllm/config/
+# vllm.py), so the baseline and the connector server manage KV differently and must
+# still agree on the output.
+TINY_SLIDING_WINDOW = 128
+TINY_SLIDING_CONFIG: dict[str, Any] = {
+    **TINY_CONFIG,
+    "sliding_window": TINY_SLIDING_WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * (
+        TINY_CONFIG["num_hidden_layers"] // 2),
+}
+# recipe name -> config (``build_tiny_model``)
+TINY_RECIPES: dict[str, dict[str, Any]] = {
+    "llama": TINY_CONFIG,
+    "sliding-window": TINY_SLIDING_CONFIG,
+}
 
 
 def recipe_hash(config: Mapping[str, Any] = TINY_CONFIG, seed: int = TINY_SEED,
@@ -157,6 +179,27 @@ def build_tiny_llama(root: Path, config: Mapping[str, Any] = TINY_CONFIG,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def build_tiny_model(root: Path, recipe: str = "llama") -> Path:
+    """Build (or reuse) the tiny model of a recipe of :data:`TINY_RECIPES`.
+
+    Args:
+        root: cache folder, e.g. ``<profile scratch>/models``.
+        recipe: ``llama`` (the default tiny Llama) or ``sliding-window``.
+
+    Returns:
+        the model folder (see :func:`build_tiny_llama`; the recipe's config is in
+        the content hash, so each recipe has its own folder).
+
+    Raises:
+        KeyError: an unknown recipe (the message lists the known ones).
+
+    """
+    if recipe not in TINY_RECIPES:
+        raise KeyError(f"unknown tiny-model recipe {recipe!r} (known: "
+                       f"{', '.join(TINY_RECIPES)})")
+    return build_tiny_llama(root, TINY_RECIPES[recipe])
 
 
 def prompt_token_range(model_dir: Path) -> tuple[int, int]:

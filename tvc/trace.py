@@ -58,15 +58,20 @@ from typing import Any
 import numpy as np
 import requests
 
-from tvc.profile import REPO_ROOT
-from tvc.vllm_server import (
+from tvc.client import (
+    COMPUTE_SOURCE_LABEL,
     EXTERNAL_HITS_METRIC,
     EXTERNAL_QUERIES_METRIC,
+    EXTERNAL_SOURCE_LABEL,
+    LOCAL_SOURCE_LABEL,
     PREFIX_HITS_METRIC,
     PREFIX_QUERIES_METRIC,
     PROMPT_TOKENS_BY_SOURCE_METRIC,
+    completion_body,
 )
-from tvc.vllm_server import parse_metrics as parse_snapshot
+from tvc.client import parse_metrics as parse_snapshot
+from tvc.client import stream_completion as client_stream
+from tvc.profile import REPO_ROOT
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the public Mooncake traces
 SHIPPED_TRACE = REPO_ROOT / "traces" / "smoke.jsonl"
@@ -86,6 +91,20 @@ METRIC_EXTERNAL_QUERIES = EXTERNAL_QUERIES_METRIC
 METRIC_PROMPT_BY_SOURCE = PROMPT_TOKENS_BY_SOURCE_METRIC
 TRACKED_METRICS = (METRIC_LOCAL_HITS, METRIC_LOCAL_QUERIES, METRIC_EXTERNAL_HITS,
                    METRIC_EXTERNAL_QUERIES, METRIC_PROMPT_BY_SOURCE)
+# where a prompt token's KV came from (vllm/v1/metrics/stats.py PromptTokenStats):
+# the GPU prefix cache, the connector (external), or the model (computed)
+TOKEN_SOURCES = (LOCAL_SOURCE_LABEL, EXTERNAL_SOURCE_LABEL, COMPUTE_SOURCE_LABEL)
+# Under pressure the GPU KV cache holds this fraction of the trace's working set
+# (its distinct KV blocks). The interleave mode cycles round-robin over the prefix
+# groups; an LRU cache smaller than a cyclic working set evicts every block before
+# its reuse, so at one half the baseline must recompute almost every reuse the
+# connector can load (the suite's choice; override with num_gpu_blocks_override).
+PRESSURE_FRACTION = 0.5
+# Evidence of pressure: the baseline's GPU-cache hits stay below this share of what an
+# unbounded cache would have served in the same run (the suite's choice: at least a
+# tenth of the reuse must have been lost to eviction).
+PRESSURE_EVIDENCE = 0.9
+DEFAULT_BLOCK_SIZE = 16  # vLLM's CUDA default KV block size; pressure pins it
 
 
 class TraceError(ValueError):
@@ -404,7 +423,10 @@ class RequestResult:
 def stream_completion(session: requests.Session, base_url: str, model: str,
                       prompt: list[int], max_tokens: int, timeout_s: float = 300.0,
                       record_index: int = 0) -> RequestResult:
-    """Send one streaming completion and time it.
+    """Send one streaming completion and time it (through :mod:`tvc.client`).
+
+    The request and the SSE parsing are :func:`tvc.client.stream_completion`'s, the
+    same the e2e tier uses; no logprobs are asked (they would slow the replay).
 
     Args:
         session: the HTTP session (one per thread).
@@ -421,49 +443,16 @@ def stream_completion(session: requests.Session, base_url: str, model: str,
 
     """
     res = RequestResult(record_index=record_index, prompt_tokens=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    chunks = 0
-    usage_tokens: int | None = None
-    done = False
-    try:
-        with session.post(f"{base_url.rstrip('/')}/v1/completions", json=body,
-                          stream=True, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
-                return res
-            for raw in resp.iter_lines(chunk_size=None):
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    res.error = f"stream error: {str(msg['error'])[:300]}"
-                    return res
-                if msg.get("choices"):
-                    if res.ttft_s is None:
-                        res.ttft_s = time.perf_counter() - t0
-                    chunks += 1
-                if msg.get("usage"):
-                    usage_tokens = msg["usage"].get("completion_tokens")
-    except (requests.RequestException, json.JSONDecodeError, OSError) as exc:
-        res.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    c = client_stream(session, base_url,
+                      completion_body(model, prompt, max_tokens, logprobs=None),
+                      timeout_s)
+    res.ttft_s = c.ttft_s
+    if c.error:
+        res.error = c.error
         return res
-    res.e2e_s = time.perf_counter() - t0
-    if not done:
-        res.error = "the stream ended without data: [DONE]"
-        return res
-    if res.ttft_s is None:
-        res.error = "the stream carried no token (no chunk with choices)"
-        return res
-    res.output_tokens = int(usage_tokens) if usage_tokens is not None else chunks
-    if res.output_tokens >= 2:
+    res.e2e_s = c.latency_s
+    res.output_tokens = c.output_tokens
+    if res.output_tokens >= 2 and res.ttft_s is not None:
         res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)
     res.ok = True
     return res
@@ -601,6 +590,8 @@ class RunResult:
                 "external_hit_tokens": d.get(METRIC_EXTERNAL_HITS),
                 "external_query_tokens": d.get(METRIC_EXTERNAL_QUERIES),
             },
+            "token_sources": token_sources(
+                d, sum(r.prompt_tokens for r in self.results)),
             "metrics_delta": d,
             "notes": self.notes,
             "per_request": [asdict(r) for r in self.results],
@@ -672,6 +663,169 @@ def replay(base_url: str, model: str, planned: Sequence[PlannedRequest], *,
     return RunResult(mode=mode, variant=variant, wall_s=wall, results=results,
                      metrics_before=before, metrics_after=metrics(),
                      config=dict(config or {}))
+
+
+def source_metric_key(source: str) -> str:
+    """The :func:`parse_metrics` key of one ``prompt_tokens_by_source`` source."""
+    return f'{METRIC_PROMPT_BY_SOURCE}{{source="{source}"}}'
+
+
+def token_sources(delta: Mapping[str, float], prompt_tokens_sent: int
+                  ) -> dict[str, Any]:
+    """Where the prompt tokens of a run came from: GPU cache, connector, compute.
+
+    Read from ``vllm:prompt_tokens_by_source`` (per request: local_cache_hit +
+    external_kv_transfer + local_compute = its prompt tokens, vLLM 0.26 and 0.28)
+    when the server exports all three sources; else from the hit counters
+    (``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``) with
+    compute = ``prompt_tokens_sent`` minus both (clamped at 0).
+
+    Args:
+        delta: counter deltas of the run (:func:`metric_delta`).
+        prompt_tokens_sent: prompt tokens of every request sent.
+
+    Returns:
+        ``{"method", "total_tokens", "tokens": {source: n}, "fractions": {source:
+        n / total or None}}`` with sources :data:`TOKEN_SOURCES`; the fractions
+        sum to 1 whenever total > 0.
+
+    """
+    keys = {src: source_metric_key(src) for src in TOKEN_SOURCES}
+    if all(k in delta for k in keys.values()):
+        tokens = {src: max(0.0, float(delta[k])) for src, k in keys.items()}
+        method = f"{METRIC_PROMPT_BY_SOURCE} deltas"
+    else:
+        local = max(0.0, float(delta.get(METRIC_LOCAL_HITS, 0.0)))
+        ext = max(0.0, float(delta.get(METRIC_EXTERNAL_HITS, 0.0)))
+        tokens = {LOCAL_SOURCE_LABEL: local, EXTERNAL_SOURCE_LABEL: ext,
+                  COMPUTE_SOURCE_LABEL: max(0.0, prompt_tokens_sent - local - ext)}
+        method = ("hit counter deltas; local_compute = prompt tokens sent minus "
+                  "hits")
+    total = sum(tokens.values())
+    return {"method": method, "total_tokens": total, "tokens": tokens,
+            "fractions": {src: (round(n / total, 6) if total else None)
+                          for src, n in tokens.items()}}
+
+
+def throughput_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
+                    ) -> dict[str, float | None]:
+    """Throughput of the connector run over the baseline's (> 1: the connector wins).
+
+    Returns:
+        ``{"requests_per_s": ratio, "output_tokens_per_s": ratio}``; None where a
+        figure is missing or zero.
+
+    """
+    out: dict[str, float | None] = {}
+    for key in ("requests_per_s", "output_tokens_per_s"):
+        b = baseline["throughput"].get(key)
+        c = connector["throughput"].get(key)
+        out[key] = round(c / b, 4) if b and c else None
+    return out
+
+
+def working_set_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int:
+    """Distinct KV blocks the prompts need, counting shared prefixes once.
+
+    A block is identified as vLLM's prefix cache does: by its tokens and the
+    identity of every block before it (a hash chain), so two prompts share a block
+    only when they share the whole prefix up to its end. The last, partial block of
+    a prompt counts too (its KV needs a block even if it is never cached).
+
+    Args:
+        prompts: token-id prompts (distinct or not).
+        block_size: tokens per KV block (B).
+
+    Returns:
+        the number of distinct blocks.
+
+    Raises:
+        ValueError: ``block_size`` < 1.
+
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    seen: set[int] = set()
+    for prompt in prompts:
+        h = 0
+        for k in range(0, len(prompt), block_size):
+            h = hash((h, tuple(prompt[k:k + block_size])))
+            seen.add(h)
+    return len(seen)
+
+
+def ideal_local_hits(prompts: Iterable[Sequence[int]], block_size: int) -> int:
+    """GPU prefix-cache hit tokens an unbounded cache would serve, prompts in order.
+
+    As vLLM's prefix cache counts them: per prompt, the longest prefix of full
+    blocks already seen in an earlier prompt (hash chain, see
+    :func:`working_set_blocks`), at most ``(len - 1) // B`` blocks (vLLM always
+    recomputes the last prompt token), times B.
+
+    Args:
+        prompts: the prompts in send order.
+        block_size: tokens per KV block (B).
+
+    Returns:
+        hit tokens.
+
+    """
+    seen: set[int] = set()
+    hits = 0
+    for prompt in prompts:
+        chain, h = [], 0
+        for k in range(len(prompt) // block_size):
+            h = hash((h, tuple(prompt[k * block_size:(k + 1) * block_size])))
+            chain.append(h)
+        cap = (len(prompt) - 1) // block_size
+        n = 0
+        while n < cap and chain[n] in seen:
+            n += 1
+        hits += n * block_size
+        seen.update(chain)
+    return hits
+
+
+def pressure_plan(prompts: Sequence[Sequence[int]], block_size: int,
+                  max_model_len: int, fraction: float = PRESSURE_FRACTION,
+                  override: int = 0) -> dict[str, Any]:
+    """Size the GPU KV cache below the trace's working set.
+
+    ``num_gpu_blocks = max(floor, ceil(fraction x working set))`` where ``floor =
+    ceil(max_model_len / B) + 1``: vLLM refuses to start when the cache cannot hold
+    one request of ``--max-model-len`` tokens (``_check_enough_kv_cache_memory`` in
+    vllm/v1/core/kv_cache_utils.py, 0.26 and 0.28, applied after
+    ``num_gpu_blocks_override``). An explicit ``override`` > 0 wins.
+
+    Args:
+        prompts: the trace's distinct prompts (token ids).
+        block_size: tokens per KV block.
+        max_model_len: the servers' ``--max-model-len``.
+        fraction: share of the working set the cache may hold (0 < f < 1).
+        override: ``[trace] num_gpu_blocks_override`` (0 = compute).
+
+    Returns:
+        ``{"working_set_blocks", "floor_blocks", "num_gpu_blocks", "fraction",
+        "block_size", "source", "under_pressure"}``; ``under_pressure`` is False
+        when the cache still holds the whole working set.
+
+    Raises:
+        ValueError: a fraction outside (0, 1) or a non-positive block size.
+
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"pressure fraction must be in (0, 1), got {fraction}")
+    ws = working_set_blocks(prompts, block_size)
+    floor = -(-max_model_len // block_size) + 1
+    if override > 0:
+        blocks, source = override, "[trace] num_gpu_blocks_override"
+    else:
+        blocks = max(floor, math.ceil(fraction * ws))
+        source = f"max(ceil({fraction} x working set), ceil(max_model_len / B) + 1)"
+    return {"working_set_blocks": ws, "floor_blocks": floor,
+            "num_gpu_blocks": blocks, "fraction": fraction,
+            "block_size": block_size, "max_model_len": max_model_len,
+            "source": source, "under_pressure": blocks < ws}
 
 
 def ttft_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
@@ -758,6 +912,50 @@ def check_no_external_hits(fig: Mapping[str, Any]) -> str:
         return (f"{fig['variant']} {fig['mode']}: the baseline server (no "
                 f"--kv-transfer-config) reported {hits:g} external hit tokens; "
                 "expected 0 — the baseline is not a connector-free server")
+    return ""
+
+
+def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) -> str:
+    """Under GPU cache pressure the connector served prompt tokens the GPU lost.
+
+    Compares the same mode of both variants: the connector must have served some
+    tokens; the baseline's GPU-cache hits must stay below
+    :data:`PRESSURE_EVIDENCE` of what an unbounded cache would have served
+    (``config.ideal_local_hit_tokens``, :func:`ideal_local_hits`, when the run
+    recorded it); and the share of prompt tokens not computed (GPU prefix cache +
+    connector) must be larger with the connector than the baseline's. Otherwise the
+    "pressure" pushed nothing out of the GPU cache, and the TTFT gain says nothing
+    about the store.
+
+    Returns:
+        "" when it holds, else the message.
+
+    """
+    fb = baseline["token_sources"]["fractions"]
+    fc = connector["token_sources"]["fractions"]
+    mode = connector["mode"]
+    if fc[EXTERNAL_SOURCE_LABEL] in (None, 0) or fb[LOCAL_SOURCE_LABEL] is None:
+        return (f"pressure, {mode}: expected the connector to serve prompt tokens "
+                f"the GPU cache evicted, saw connector fractions {fc} — nothing was "
+                "loaded from the store; check its capacity ([connector] "
+                "extra_config) against the trace's working set")
+    ideal = baseline.get("config", {}).get("ideal_local_hit_tokens")
+    kept = baseline["token_sources"]["tokens"][LOCAL_SOURCE_LABEL]
+    if ideal and kept >= PRESSURE_EVIDENCE * ideal:
+        return (f"pressure, {mode}: the baseline's GPU prefix cache served {kept:g} "
+                f"of the {ideal:g} prompt tokens an unbounded cache would have "
+                f"(>= {PRESSURE_EVIDENCE:g}) — the GPU cache was not under "
+                "pressure, nothing the connector loaded had to be recomputed "
+                "without it; lower [trace] num_gpu_blocks_override")
+    saved_b = fb[LOCAL_SOURCE_LABEL]
+    saved_c = fc[LOCAL_SOURCE_LABEL] + fc[EXTERNAL_SOURCE_LABEL]
+    if saved_c <= saved_b + 1e-6:  # fractions are rounded to 6 digits
+        return (f"pressure, {mode}: expected the connector run to compute less "
+                f"than the baseline (not computed: connector {saved_c:.3f} = GPU "
+                f"{fc[LOCAL_SOURCE_LABEL]:.3f} + store "
+                f"{fc[EXTERNAL_SOURCE_LABEL]:.3f}, baseline {saved_b:.3f}) — the "
+                "GPU cache was not under pressure; lower [trace] "
+                "num_gpu_blocks_override")
     return ""
 
 

@@ -2,9 +2,15 @@
 # Run the suite's GPU tiers on the lab GPU host (offline; see README "GPU host").
 #   scripts/gpu/session.sh setup      unpack the vLLM bundle (parts in $STAGE), kvikio wheels
 #   scripts/gpu/session.sh tiers      level1+2, contract, e2e, store tiers (in parallel lanes)
-#   scripts/gpu/session.sh trace      trace tier for both reference profiles
+#   scripts/gpu/session.sh trace      trace tier for both reference profiles, one after the other
+#   scripts/gpu/session.sh rerun      build preflight, e2e (example) + negative control, trace
+#   scripts/gpu/session.sh final      e2e negative control, then the trace tier of both profiles
 # Each pytest run writes its run folder under $RESULTS; everything is packed into
 # $OUT/results-<phase>.tgz (one file) and each run's last line is printed.
+# One vLLM server per GPU at a time: lanes that start vLLM servers (e2e, trace) never
+# run beside each other (two servers starting together race for GPU memory:
+# "Available KV cache memory: -0.01 GiB"); only lanes without servers (contract,
+# store tiers) run in parallel with one of them. GPU_PLAN.md has the issue-10 runs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -64,21 +70,20 @@ case ${1:?phase: setup, tiers, trace or rerun} in
     ) &
     wait
     ;;
-  trace)
-    pt trace-example -m trace --tvc-profile example --tvc-require gpu &
-    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu &
-    wait
+  trace)  # one trace server at a time: the two profiles run one after the other
+    pt trace-example -m trace --tvc-profile example --tvc-require gpu
+    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu
     ;;
-  rerun)  # build preflight, e2e (example) and its negative control, beside the trace
+  rerun)  # build preflight beside the server lane; e2e, its negative control, trace in turn
     build_profile
+    CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
+      pt build-preflight -m level1 -k build --tvc-profile="$RESULTS/example-build.toml" &
     (
-      CUDA_HOME=/usr/local/cuda CXX=g++ CUDAHOSTCXX=g++ \
-        pt build-preflight -m level1 -k build --tvc-profile="$RESULTS/example-build.toml"
       pt e2e-example -m e2e --tvc-profile example --tvc-require gpu
       pt e2e-negative selftests/e2e/test_negative_control.py --tvc-require gpu
+      pt trace-example -m trace --tvc-profile example --tvc-require gpu
+      pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu
     ) &
-    pt trace-example -m trace --tvc-profile example --tvc-require gpu &
-    pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu &
     wait
     ;;
   final)  # one server at a time: concurrent vLLM starts race for GPU memory

@@ -10,11 +10,24 @@ as ``FAKE_VLLM_MODE`` says:
 - ``hang``: never answers /health.
 - ``ignore-term``: like ``healthy`` but ignores SIGTERM (teardown must SIGKILL).
 
-Without ``FAKE_VLLM_METRICS`` it emulates a connector and serves live counters: a
-prompt seen before is a GPU prefix-cache hit until POST /reset_prefix_cache, then an
-external hit of ``(len - 2) // 16 * 16`` tokens (ExampleConnector's rule at B = 16),
-logged as "External Cache Hit!". ``FAKE_VLLM_CONNECTOR``: ``good`` (default),
-``corrupt`` (outputs served from the store differ), ``forgetful`` (stores nothing).
+Without ``FAKE_VLLM_METRICS`` it serves live counters: a prompt seen before is a GPU
+prefix-cache hit of ``(len - 1) // 16 * 16`` tokens until POST /reset_prefix_cache.
+With ``--kv-transfer-config`` in its argv it also emulates a connector: a stored
+prompt is then an external hit of ``(len - 2) // 16 * 16`` tokens (ExampleConnector's
+rule at B = 16), logged as "External Cache Hit!". Without it (a baseline server) it
+has no store. ``FAKE_VLLM_CONNECTOR``: ``good`` (default), ``corrupt`` (outputs
+served from the store differ), ``forgetful`` (stores nothing), ``skew`` (every
+output of the connector server differs from a plain server's, pass 1 included),
+``cross`` (a request served from the store while another one is gets the other's
+output: one request's KV served to another under concurrency).
+
+``FAKE_VLLM_LOAD_FAILURE`` makes every load from the store fail, as vLLM's scheduler
+handles it: ``recompute`` (logs "Recovered from KV load failure", output as
+computed), ``recompute-garbage`` (logs it, output wrong), ``recompute-silent``
+(output right, nothing logged: the fault never fired), ``fail`` (logs "Failing 1
+request(s) due to KV load failure", a 500 error event in the stream / HTTP 500),
+``fail-garbage`` (logs it, answers tokens instead of an error), ``fail-dies`` (the
+error, then the server process exits).
 
 Always starts a grandchild (``sleep``) in its process group and writes
 ``{"server": pid, "child": pid}`` to ``FAKE_VLLM_PIDS``; writes argv and the
@@ -26,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -55,9 +69,16 @@ time.sleep(float(os.environ.get("FAKE_VLLM_DELAY_S", "0")))
 METRICS = open(os.environ["FAKE_VLLM_METRICS"]).read() if os.environ.get(
     "FAKE_VLLM_METRICS") else None
 CONNECTOR = os.environ.get("FAKE_VLLM_CONNECTOR", "good")
+HAS_CONNECTOR = "--kv-transfer-config" in argv
+LOAD_FAILURE = os.environ.get("FAKE_VLLM_LOAD_FAILURE", "")
+CROSS_WINDOW_S = 0.3  # "cross": requests served from the store this close collide
 B = 16
 STORE, LOCAL = set(), set()
 C = {"ext": 0, "prefix": 0, "src_ext": 0, "src_local": 0, "src_compute": 0, "ok": 0}
+LOCK = threading.Lock()
+RECENT = []  # "cross": (time, prompt) of requests served from the store
+ERROR_BODY = {"error": {"message": "Internal server error",
+                        "type": "InternalServerError", "param": None, "code": 500}}
 
 
 def live_metrics():
@@ -84,24 +105,73 @@ def account(prompt):
     """Update the counters for one request; True when served from the store."""
     key, n = tuple(prompt), len(prompt)
     from_store = False
-    if key in LOCAL:
-        hit = (n - 1) // B * B
-        C["prefix"] += hit
-        C["src_local"] += hit
-        C["src_compute"] += n - hit
-    elif key in STORE:
-        hit = (n - 2) // B * B
-        C["ext"] += hit
-        C["src_ext"] += hit
-        C["src_compute"] += n - hit
-        from_store = True
-        print("INFO External Cache Hit!", flush=True)
-    else:
-        C["src_compute"] += n
-    if CONNECTOR != "forgetful":
-        STORE.add(key)
-    LOCAL.add(key)
+    with LOCK:
+        if key in LOCAL:
+            hit = (n - 1) // B * B
+            C["prefix"] += hit
+            C["src_local"] += hit
+            C["src_compute"] += n - hit
+        elif HAS_CONNECTOR and key in STORE:
+            hit = (n - 2) // B * B
+            C["ext"] += hit
+            C["src_ext"] += hit
+            C["src_compute"] += n - hit
+            from_store = True
+            print("INFO External Cache Hit!", flush=True)
+        else:
+            C["src_compute"] += n
+        if HAS_CONNECTOR and CONNECTOR != "forgetful":
+            STORE.add(key)
+        LOCAL.add(key)
     return from_store
+
+
+def served_tokens(prompt, n, from_store):
+    """The output tokens, as the connector mode and the load-failure mode make them.
+
+    Returns (tokens, error): error is "" or the failure to report instead.
+    """
+    toks = fake_tokens(prompt, n)
+    if HAS_CONNECTOR and CONNECTOR == "skew":
+        toks = [t + 2 for t in toks]
+    if not from_store:
+        return toks, ""
+    if LOAD_FAILURE:
+        hit = (len(prompt) - 2) // B * B
+        if LOAD_FAILURE.startswith("recompute"):
+            if LOAD_FAILURE != "recompute-silent":
+                print("WARNING Recovered from KV load failure: 1 request(s) "
+                      f"rescheduled ({hit} tokens affected).", flush=True)
+            return ([t + 1 for t in toks] if LOAD_FAILURE == "recompute-garbage"
+                    else toks), ""
+        print("ERROR Failing 1 request(s) due to KV load failure "
+              f"(failure_policy=fail, {hit} tokens affected). Request IDs: "
+              "{'cmpl-fake'}", flush=True)
+        if LOAD_FAILURE == "fail-garbage":
+            return [t + 1 for t in toks], ""
+        return toks, LOAD_FAILURE
+    if CONNECTOR == "corrupt":
+        return [t + 1 for t in toks], ""
+    if CONNECTOR == "cross":
+        now = time.monotonic()
+        with LOCK:
+            RECENT.append((now, list(prompt)))
+        time.sleep(CROSS_WINDOW_S)
+        with LOCK:
+            other = next((p for t, p in RECENT if abs(t - now) < CROSS_WINDOW_S
+                          and p != list(prompt)), None)
+        if other is not None:
+            return fake_tokens(other, n), ""
+    return toks, ""
+
+
+def die_soon():
+    """fail-dies: the engine goes down right after answering."""
+    def _exit():
+        time.sleep(0.2)
+        print("ERROR EngineCore died (fake)", flush=True)
+        os._exit(1)
+    threading.Thread(target=_exit, daemon=True).start()
 
 
 def fake_tokens(prompt, n):
@@ -143,9 +213,7 @@ class H(BaseHTTPRequestHandler):
             return
         prompt, n = body["prompt"], body.get("max_tokens", 16)
         from_store = account(prompt) if isinstance(prompt, list) else False
-        toks = fake_tokens(prompt, n)
-        if from_store and CONNECTOR == "corrupt":
-            toks = [t + 1 for t in toks]
+        toks, error = served_tokens(prompt, n, from_store)
         top = [{f"token_id:{t}": -0.5, f"token_id:{t + 1}": -1.5} for t in toks]
 
         def choice(ids, tops, first):
@@ -155,6 +223,21 @@ class H(BaseHTTPRequestHandler):
                     "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
                                  "token_logprobs": [-0.5] * len(ids),
                                  "top_logprobs": tops}}
+        if error and not body.get("stream"):
+            self._send(500, json.dumps(ERROR_BODY))
+            if error == "fail-dies":
+                die_soon()
+            return
+        if error:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(f"data: {json.dumps(ERROR_BODY)}\n\ndata: [DONE]\n\n"
+                             .encode())
+            self.wfile.flush()
+            if error == "fail-dies":
+                die_soon()
+            return
         if not body.get("stream"):
             C["ok"] += 1
             self._send(200, json.dumps({"choices": [choice(toks, top, True)],
@@ -175,4 +258,9 @@ class H(BaseHTTPRequestHandler):
 
 
 print("INFO Application startup complete.", flush=True)
-ThreadingHTTPServer((host, port), H).serve_forever()
+class Server(ThreadingHTTPServer):
+    request_queue_size = 128  # listen backlog: 16+ clients connect at once
+    daemon_threads = True
+
+
+Server((host, port), H).serve_forever()

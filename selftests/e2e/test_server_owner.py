@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -233,3 +234,58 @@ def test_metrics_in_the_older_exposition_style_parse_the_same():
     assert snap.value(EXTERNAL_HITS_METRIC) == 576
     assert snap.value(PROMPT_TOKENS_BY_SOURCE_METRIC,
                       source="external_kv_transfer") == 576
+
+
+def test_a_relative_model_path_reaches_the_server_absolute(tmp_path, monkeypatch):
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    srv = VllmServer("models/tiny", log_path=tmp_path / "logs" / "s.log")
+    argv = srv.build_argv(1234)
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "models" / "tiny")
+    assert VllmServer("org/hub-name", log_path=tmp_path / "s.log").model == (
+        "org/hub-name")  # not a local path: as given
+
+
+def test_starting_a_server_parks_the_running_one(tmp_path):
+    a = fake_server(tmp_path / "a", "healthy")
+    b = fake_server(tmp_path / "b", "healthy")
+    side = fake_server(tmp_path / "c", "healthy", exclusive_gpu=False)
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    try:
+        a.start()
+        side.start()
+        b.start()
+        assert b.is_alive() and not a.is_alive() and a.parked_by is b
+        assert side.is_alive()  # not an exclusive GPU server: left alone
+        assert "parked: one vLLM server per GPU at a time" in a.log_path.read_text()
+        assert a.ensure_running() is True
+        assert a.is_alive() and not b.is_alive() and b.parked_by is a
+        assert a.ensure_running() is False
+    finally:
+        for srv in (a, b, side):
+            srv.stop()
+    assert a.leftovers() == b.leftovers() == side.leftovers() == []
+
+
+def test_hit_log_level_sets_vllms_logging_level_on_connector_servers(tmp_path,
+                                                                     monkeypatch):
+    import tvc.session
+    import tvc.vllm_server as vs
+    from tvc.profile import load
+
+    text = (REPO / "profiles" / "example.toml").read_text().replace(
+        'hit_log_pattern = "External Cache Hit!"',
+        'hit_log_pattern = "External Cache Hit!"\nhit_log_level = "DEBUG"')
+    (tmp_path / "p.toml").write_text(text)
+    prof = load(str(tmp_path / "p.toml"), env={})
+    monkeypatch.setattr(tvc.session, "state", lambda: SimpleNamespace(profile=prof))
+    monkeypatch.setattr(vs, "run_log_dir", lambda config: tmp_path / "logs")
+    srv = vs.server_from_profile(None, tmp_path / "m")
+    assert srv.env_overrides["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert srv.build_env()["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    mine = vs.server_from_profile(None, tmp_path / "m", env={"VLLM_LOGGING_LEVEL":
+                                                             "INFO"})
+    assert mine.env_overrides["VLLM_LOGGING_LEVEL"] == "INFO"
+    base = vs.server_from_profile(None, tmp_path / "m", kv_transfer_config=None)
+    assert "VLLM_LOGGING_LEVEL" not in base.env_overrides

@@ -20,10 +20,14 @@ EXAMPLE_RULE = 592  # (600 - 2) // 16 * 16, the fake's hit rule at B = 16
 PATTERN = "External Cache Hit!"
 
 
-def fake(tmp_path: Path, connector: str) -> VllmServer:
+KV = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+def fake(tmp_path: Path, connector: str, **env: str) -> VllmServer:
     return VllmServer(tmp_path / "model", launcher=[sys.executable, str(FAKE)],
-                      log_path=tmp_path / "server.log", startup_timeout_s=30,
-                      stop_timeout_s=5, env={"FAKE_VLLM_CONNECTOR": connector})
+                      kv_transfer_config=KV, log_path=tmp_path / "server.log",
+                      startup_timeout_s=30, stop_timeout_s=5,
+                      env={"FAKE_VLLM_CONNECTOR": connector, **env})
 
 
 def prompt(n: int = tp.ACCEPTANCE_PROMPT_TOKENS) -> list[int]:

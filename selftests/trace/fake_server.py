@@ -8,7 +8,16 @@ Speaks the subset of vLLM's OpenAI API the trace tier uses: ``POST /v1/completio
 Cache model: a prompt seen since the last reset is a local hit (all its tokens); with
 ``connector=True`` a prompt stored before (in any earlier request) is an external hit;
 ``store_serves=False`` makes a known-bad connector that never serves (no external
-hits). A hit answers after ``hit_ttft_s`` instead of ``ttft_s``.
+hits). A hit answers after ``hit_ttft_s`` instead of ``ttft_s``. ``block_size`` > 0
+caches by blocks as vLLM does instead of whole prompts: a hit is the longest prefix
+of full blocks (chained, so a block matches only with every block before it) already
+cached, at most ``(len - 1) // B`` blocks (vLLM recomputes the last token); the
+connector serves the stored blocks after the local hit. ``local_capacity`` > 0
+bounds the local (GPU) cache to that many prompts (blocks with ``block_size``),
+least recently used out first: a GPU KV cache under pressure. ``by_source=True``
+also exports
+``vllm:prompt_tokens_by_source`` (local_cache_hit, external_kv_transfer,
+local_compute).
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ class FakeServer:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.01,
                  hit_ttft_s: float | None = None, connector: bool = False,
                  store_serves: bool = True, fail_status: int = 0,
-                 drop_done: bool = False, model: str = "fake-model") -> None:
+                 drop_done: bool = False, model: str = "fake-model",
+                 local_capacity: int = 0, by_source: bool = False,
+                 block_size: int = 0) -> None:
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.hit_ttft_s = ttft_s if hit_ttft_s is None else hit_ttft_s
@@ -35,11 +46,14 @@ class FakeServer:
         self.fail_status = fail_status
         self.drop_done = drop_done
         self.model = model
+        self.local_capacity = local_capacity
+        self.block_size = block_size
+        self.by_source = by_source
         self.argv = ["fake-server", f"connector={connector}"]
-        self.local: set[tuple[int, ...]] = set()
-        self.store: set[tuple[int, ...]] = set()
+        self.local: dict[Any, None] = {}  # insertion order = LRU order
+        self.store: set[Any] = set()
         self.counters = {"local_hits": 0, "queries": 0, "ext_hits": 0,
-                         "ext_queries": 0}
+                         "ext_queries": 0, "computed": 0}
         self.in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict[str, Any]] = []
@@ -124,21 +138,56 @@ class FakeServer:
         self.stop()
 
     # -- behaviour -------------------------------------------------------------------
+    def _block_lookup(self, prompt: tuple[int, ...]) -> bool:
+        b, n = self.block_size, len(prompt)
+        chain, h = [], 0
+        for k in range(n // b):
+            h = hash((h, prompt[k * b:(k + 1) * b]))
+            chain.append(h)
+        cap = (n - 1) // b
+        local = 0
+        while local < cap and chain[local] in self.local:
+            local += 1
+        ext = 0
+        if self.connector:
+            self.counters["ext_queries"] += n - local * b
+            while (self.store_serves and local + ext < cap
+                   and chain[local + ext] in self.store):
+                ext += 1
+        self.counters["local_hits"] += local * b
+        self.counters["ext_hits"] += ext * b
+        self.counters["computed"] += n - (local + ext) * b
+        for h in chain:
+            self.local.pop(h, None)
+            self.local[h] = None
+            if self.connector:
+                self.store.add(h)
+        while self.local_capacity and len(self.local) > self.local_capacity:
+            del self.local[next(iter(self.local))]
+        return local + ext > 0
+
     def lookup(self, prompt: tuple[int, ...]) -> bool:
         """Account one prompt in the cache counters; True on any hit."""
         with self._lock:
             n = len(prompt)
             self.counters["queries"] += n
+            if self.block_size:
+                return self._block_lookup(prompt)
             hit = False
             if prompt in self.local:
                 self.counters["local_hits"] += n
                 hit = True
+                del self.local[prompt]  # most recently used again
             elif self.connector:
                 self.counters["ext_queries"] += n
                 if self.store_serves and prompt in self.store:
                     self.counters["ext_hits"] += n
                     hit = True
-            self.local.add(prompt)
+            if not hit:
+                self.counters["computed"] += n
+            self.local[prompt] = None
+            while self.local_capacity and len(self.local) > self.local_capacity:
+                del self.local[next(iter(self.local))]
             if self.connector:
                 self.store.add(prompt)
             return hit
@@ -193,6 +242,12 @@ class FakeServer:
             "# TYPE vllm:prefix_cache_queries counter",
             f'vllm:prefix_cache_queries_total{{engine="0"}} {c["queries"]}',
         ]
+        if self.by_source:
+            lines += ["# TYPE vllm:prompt_tokens_by_source counter"] + [
+                f'vllm:prompt_tokens_by_source_total{{source="{src}"}} {c[key]}'
+                for src, key in (("local_cache_hit", "local_hits"),
+                                 ("external_kv_transfer", "ext_hits"),
+                                 ("local_compute", "computed"))]
         if self.connector:
             lines += [
                 "# TYPE vllm:external_prefix_cache_hits counter",

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Certify one profile on a GPU host: every tier, strict mode, one run folder.
+#
+#   scripts/certify.sh PROFILE [extra pytest args]
+#
+# PROFILE is a built-in name (example, cpu-offload, lab-disk, tutti, ...) or a path to
+# a TOML file. Runs the tiers in ladder order (level1, level2, contract, real_nvme,
+# e2e, bandwidth, trace, then any other suites/ folder) in ONE pytest run, so one
+# run folder holds junit.xml, summary.json/.md/.html, the server logs and the tier
+# outputs. Strict mode: --tvc-require gpu, plus nvme when the profile has a store
+# ([store] path or [daemon] device_globs), so a missing GPU or store fails instead
+# of skipping. No -n (do not add it): vLLM servers run one at a time. Extra arguments go
+# to pytest as they are (e.g. --tvc-trace-pressure, --tvc-trace-size=large, -x,
+# -k "not variant").
+#
+# Environment: PYTHON (default .venv/bin/python when present, else python3),
+# TVC_REPORTS_ROOT or the default reports/ for the run folder, CERTIFY_DRY_RUN=1 to
+# print the pytest command instead of running it. Prints the run folder and the
+# time taken; exits with pytest's status (0 = certified).
+set -uo pipefail
+if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  [ $# -ge 1 ] && exit 0 || exit 2
+fi
+profile=$1
+shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 2
+if [ -n "${PYTHON:-}" ]; then py=$PYTHON
+elif [ -x .venv/bin/python ]; then py=.venv/bin/python
+else py=python3
+fi
+
+# What the profile needs: its name (for the folder) and whether it has a store.
+facts=$("$py" - "$profile" <<'EOF'
+import sys
+from tvc.profile import ProfileError, load
+try:
+    p = load(sys.argv[1])
+except ProfileError as exc:
+    print(f"ERROR profile: {exc}")
+    sys.exit(0)
+store = bool(p["store"]["path"]) or bool(p["daemon"]["device_globs"])
+print(f"{p.name} {'gpu,nvme' if store else 'gpu'}")
+EOF
+) || { echo "certify: cannot run $py with the suite importable (tvc); set PYTHON" >&2; exit 2; }
+case $facts in
+  ERROR*) echo "certify: ${facts#ERROR }" >&2; exit 4 ;;
+esac
+name=${facts% *}
+require=${facts#* }
+
+# Option spellings: the --tvc- ones where this checkout has them, else the old ones.
+# (help captured first: grep -q would close the pipe early and, under pipefail,
+# the killed pytest would turn a match into a failure)
+help=$("$py" -m pytest --help -p no:cacheprovider 2>/dev/null)
+if grep -q -- '--tvc-profile' <<<"$help"; then
+  opt_profile=--tvc-profile opt_require=--tvc-require opt_report=--tvc-report-dir
+else
+  opt_profile=--profile opt_require=--require opt_report=--report-dir
+fi
+
+reports=${TVC_REPORTS_ROOT:-$root/reports}
+run_dir="$reports/$(date -u +%Y%m%d-%H%M%S)-certify-$name"
+tiers=()
+for t in level1 level2 contract real_nvme e2e bandwidth trace; do
+  [ -d "suites/$t" ] && tiers+=("suites/$t")
+done
+for d in suites/*/; do
+  d=${d%/}
+  case " ${tiers[*]} " in *" $d "*) ;; *) tiers+=("$d") ;; esac
+done
+
+echo "certify: profile $name ($profile), strict: $require, tiers: ${tiers[*]#suites/}"
+echo "certify: run folder $run_dir"
+cmd=("$py" -m pytest -p no:cacheprovider -rA "${tiers[@]}"
+     "$opt_profile=$profile" "$opt_require=$require" "$opt_report=$run_dir" "$@")
+if [ -n "${CERTIFY_DRY_RUN:-}" ]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+t0=$(date +%s)
+"${cmd[@]}"
+rc=$?
+dt=$(( $(date +%s) - t0 ))
+printf 'certify: %s %s in %dh%02dm%02ds (%d s); rc=%d; report %s/summary.html\n' \
+  "$name" "$([ $rc -eq 0 ] && echo CERTIFIED || echo 'NOT certified')" \
+  $((dt / 3600)) $((dt % 3600 / 60)) $((dt % 60)) "$dt" "$rc" "$run_dir"
+exit $rc

@@ -1,0 +1,290 @@
+"""Self-tests of tvc/acceptance.py and the baseline comparison of tvc/two_pass.py.
+
+Every check runs against fake vLLM servers (selftests/e2e/fake_vllm_server.py): a
+baseline server (no ``--kv-transfer-config``, no store) and connector servers that
+are good or known-bad (loads corrupted KV, computes differently, serves one
+request's output to another under concurrency, stores nothing, mishandles a failed
+load). Each known-bad target must fail its check for the right reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tvc import acceptance as acc
+from tvc import two_pass as tp
+from tvc.vllm_server import Completion, VllmServer
+
+pytestmark = pytest.mark.hw_any
+
+FAKE = Path(__file__).resolve().parent / "fake_vllm_server.py"
+KV = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+B = 16
+
+
+def fake_rule(n: int) -> int:
+    """The fake connector's hit rule ((len - 2) // 16 * 16, ExampleConnector's)."""
+    return (n - 2) // B * B
+
+
+def server(tmp_path: Path, name: str, connector: bool = True, **env: str
+           ) -> VllmServer:
+    return VllmServer(tmp_path / "model", launcher=[sys.executable, str(FAKE)],
+                      kv_transfer_config=KV if connector else None,
+                      log_path=tmp_path / f"{name}.log", startup_timeout_s=30,
+                      stop_timeout_s=5, env=env)
+
+
+def book(concurrency: int = 16) -> acc.PromptBook:
+    return acc.PromptBook(seed=7, token_range=(3, 512), block_size=B,
+                          concurrency=concurrency, rule=fake_rule)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> acc.Baseline:
+    """The fake baseline server's outputs for every prompt of the book."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    b = book()
+    with server(tmp, "baseline", connector=False) as srv:
+        outs = acc.collect_baseline(srv.client(), b.prompts())
+    return acc.Baseline(b, outs)
+
+
+# ------------------------------------------------------------ baseline comparison
+
+def comp(tokens: list[int]) -> Completion:
+    tops = [{t: -0.5, t + 1: -1.5} for t in tokens]
+    return Completion(list(tokens), "", [-0.5] * len(tokens), tops)
+
+
+def test_output_diff_speaks_vllms_vocabulary_and_names_both_sides():
+    msg = tp.output_diff(comp([3, 4, 5, 6]), comp([3, 4, 9, 9]), "baseline (no "
+                         "connector)", "connector pass 2")
+    assert ("output token ids differ between baseline (no connector) and "
+            "connector pass 2 at position 2: Matched tokens: [3, 4]") in msg
+    assert "baseline (no connector): [5, 6], connector pass 2: [9, 9]" in msg
+    assert "1.0000 nats, not a tie" in msg
+    assert tp.output_diff(comp([3, 4]), comp([3, 4]), "a", "b") == ""
+
+
+def test_verdict_blames_the_load_when_only_pass_2_differs():
+    msg = tp.baseline_verdict(comp([3, 4]), comp([3, 4]), comp([3, 7]))
+    assert msg.startswith("connector pass 2 differs from the baseline (no "
+                          "connector); connector pass 1 agrees with the baseline — "
+                          "the KV the connector loaded is wrong")
+
+
+def test_verdict_blames_the_connector_server_when_only_pass_1_differs():
+    msg = tp.baseline_verdict(comp([3, 4]), comp([8, 4]), comp([3, 4]))
+    assert msg.startswith("connector pass 1 differs from the baseline (no "
+                          "connector) while connector pass 2 agrees")
+
+
+def test_verdict_when_both_passes_differ_from_the_baseline_and_each_other():
+    msg = tp.baseline_verdict(comp([3, 4]), comp([8, 4]), comp([9, 4]))
+    assert "differ from the baseline (no connector) and from each other" in msg
+
+
+def test_corrupting_connector_is_caught_against_the_baseline(tmp_path, baseline):
+    prompt = baseline.book.get("acceptance")
+    with server(tmp_path, "corrupt", FAKE_VLLM_CONNECTOR="corrupt") as srv:
+        r = tp.run_two_passes(srv, prompt)
+    with pytest.raises(AssertionError, match=r"^connector pass 2 differs from the "
+                       r"baseline \(no connector\); connector pass 1 agrees with "
+                       r"the baseline — the KV the connector loaded is wrong \(the "
+                       r"connector, not vLLM\): output token ids differ"):
+        tp.check_against_baseline(r, baseline.get("acceptance"))
+
+
+def test_connector_server_that_computes_differently_is_told_apart(tmp_path,
+                                                                  baseline):
+    prompt = baseline.book.get("acceptance")
+    with server(tmp_path, "skew", FAKE_VLLM_CONNECTOR="skew") as srv:
+        r = tp.run_two_passes(srv, prompt)
+    tp.check_same_output_tokens(r)  # the two passes agree with each other...
+    with pytest.raises(AssertionError, match="connector pass 1 and connector pass "
+                       "2 agree with each other but both differ from the baseline "
+                       r"\(no connector\) — vLLM with a kv_transfer_config computes "
+                       "differently"):
+        tp.check_against_baseline(r, baseline.get("acceptance"))  # ...not with it
+
+
+def test_good_connector_passes_acceptance_with_the_baseline(tmp_path, baseline):
+    prompt = baseline.book.get("acceptance")
+    with server(tmp_path, "good") as srv:
+        r = tp.run_two_passes(srv, prompt, hit_log_pattern="External Cache Hit!")
+        tp.check_acceptance(r, fake_rule(len(prompt)), "External Cache Hit!",
+                            srv.log_path, baseline=baseline.get("acceptance"))
+
+
+# ---------------------------------------------------------------- the prompt book
+
+def test_prompts_follow_the_seed_and_the_concurrency_plan_is_exact():
+    a, b = book().prompts(), book().prompts()
+    assert a == b and a != acc.PromptBook(8, (3, 512), B, rule=fake_rule).prompts()
+    assert [len(a[f"boundary-{t}"]) for t in ("kB-1", "kB", "kB+1")] == [63, 64, 65]
+    p = book().concurrency_plan()
+    assert p.length == 600 and p.twins and fake_rule(600) == 599 // B * B
+    assert len(p.requests) == 16 and len(p.distinct) == 12
+    assert p.expected_cached == 16 * 592 and p.shared_prefix == 288
+    # 12 distinct prompts with siblings: each needs 592 - 288 from the store; the
+    # 4 second twins may be served wholly by the GPU cache
+    assert p.min_external == 12 * (592 - 288)
+    groups = {tuple(a[n][:288]) for n in p.distinct}
+    assert len(groups) == 4 and len({tuple(a[n]) for n in p.distinct}) == 12
+
+
+def test_no_twins_where_a_gpu_cache_hit_could_exceed_the_rule():
+    # a chunked connector (256-token units) has rule(L) == (L-1)//B*B only at
+    # L = 256k + 1..16; from 600 the search finds 769 (768 = 3 x 256)
+    b = acc.PromptBook(1, (3, 512), B, rule=lambda n: n // 256 * 256,
+                       granularity=256)
+    p = b.concurrency_plan()
+    assert p.length == 769 and p.twins and p.shared_prefix == 256
+    never = acc.PromptBook(1, (3, 512), B, rule=lambda n: max(0, n - 40) // B * B)
+    q = never.concurrency_plan()
+    assert not q.twins and len(set(q.requests)) == len(q.requests) == 16
+    assert "no identical requests" in q.notes[0]
+
+
+def test_run_seed_prefers_a_chosen_seed_then_the_profile_then_the_run(monkeypatch):
+    import tvc.session
+
+    def use(seed, source, profile_seed=0, env=None):
+        profile = SimpleNamespace(data={"e2e": {"seed": profile_seed}})
+        monkeypatch.setattr(tp, "_SEED", [])
+        monkeypatch.setattr(tvc.session, "state", lambda: SimpleNamespace(
+            seed=seed, seed_source=source, profile=profile))
+        if env is None:
+            monkeypatch.delenv("TVC_SEED", raising=False)
+        else:
+            monkeypatch.setenv("TVC_SEED", env)
+        return tp.run_seed()
+
+    assert use(7, "--tvc-seed", profile_seed=5) == (7, "--tvc-seed")
+    assert use(7, "TVC_SEED", profile_seed=5, env="7") == (7, "TVC_SEED")
+    assert use(7, "controller", profile_seed=5, env="7") == (7, "controller")
+    assert use(7, "random", profile_seed=5) == (5, "[e2e] seed")
+    assert use(7, "random") == (7, "run seed (random)")
+    assert tp.run_seed() == (7, "run seed (random)")  # fixed for the process
+    # outside a suite run: TVC_SEED, else random
+    monkeypatch.setattr(tp, "_SEED", [])
+
+    def no_state():
+        raise RuntimeError("outside")
+
+    monkeypatch.setattr(tvc.session, "state", no_state)
+    monkeypatch.setenv("TVC_SEED", "1234")
+    assert tp.run_seed() == (1234, "TVC_SEED")
+    monkeypatch.setattr(tp, "_SEED", [])
+    monkeypatch.setenv("TVC_SEED", "abc")
+    with pytest.raises(ValueError, match="TVC_SEED='abc': expected an integer"):
+        tp.run_seed()
+    monkeypatch.setattr(tp, "_SEED", [])
+    monkeypatch.delenv("TVC_SEED")
+    assert tp.run_seed()[1] == "random (this run)"
+
+
+# -------------------------------------------------------------------- concurrency
+
+def test_good_connector_passes_the_concurrency_checks(tmp_path, baseline):
+    with server(tmp_path, "good") as srv:
+        w = acc.run_wave(srv, baseline.book)
+    acc.check_wave_outputs(w, baseline)
+    acc.check_wave_hits(w)
+    d = w.deltas
+    assert d["local_source"] + d["external_source"] == 16 * 592
+    assert d["external_hits"] == d["external_source"] >= w.plan.min_external
+
+
+def test_connector_serving_another_requests_kv_under_concurrency_is_caught(
+        tmp_path, baseline):
+    with server(tmp_path, "cross", FAKE_VLLM_CONNECTOR="cross") as srv:
+        r = tp.run_two_passes(srv, baseline.book.get("acceptance"))
+        tp.check_against_baseline(r, baseline.get("acceptance"))  # alone: fine
+        w = acc.run_wave(srv, baseline.book)
+    with pytest.raises(AssertionError, match=r"concurrency: connector, concurrent "
+                       r"request #\d+ \(concurrency-\d+.*\) differs from the baseline "
+                       r"\(no connector\) — its output is the output of "
+                       r"concurrency-\d+: the connector served another request's KV"):
+        acc.check_wave_outputs(w, baseline)
+
+
+def test_connector_that_stores_nothing_fails_the_hit_sum(tmp_path, baseline):
+    with server(tmp_path, "forgetful", FAKE_VLLM_CONNECTOR="forgetful") as srv:
+        w = acc.run_wave(srv, baseline.book)
+    acc.check_wave_outputs(w, baseline)  # outputs are right, only the hits are not
+    with pytest.raises(AssertionError, match=r"prompt tokens not computed .* = "
+                       r"2368, expected 16 requests x hit rule 592 = 9472 .* fewer "
+                       r"tokens from the store"):
+        acc.check_wave_hits(w)
+
+
+# ------------------------------------------------------------------ load failures
+
+def load_failure(tmp_path: Path, baseline: acc.Baseline, mode: str, policy: str
+                 ) -> None:
+    cid = acc.case_id(policy, True)
+    with server(tmp_path, mode, FAKE_VLLM_LOAD_FAILURE=mode) as srv:
+        run = acc.run_load_failure(srv, baseline.book.get(f"load-failure-{cid}"),
+                                   baseline.book.get(f"load-failure-{cid}-after"),
+                                   policy, True)
+    acc.check_load_failure(run, baseline.get(f"load-failure-{cid}"),
+                           baseline.get(f"load-failure-{cid}-after"))
+
+
+def test_recompute_policy_handled_right_passes(tmp_path, baseline):
+    load_failure(tmp_path, baseline, "recompute", "recompute")
+
+
+def test_recompute_with_wrong_output_is_caught(tmp_path, baseline):
+    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=recompute, "
+                       r"async scheduling on: output token ids differ between "
+                       r"baseline \(no connector\) and pass 2 \(load failed, "
+                       r"recomputed\)"):
+        load_failure(tmp_path, baseline, "recompute-garbage", "recompute")
+
+
+def test_recompute_where_no_load_failed_is_not_a_pass(tmp_path, baseline):
+    with pytest.raises(AssertionError, match="never logged 'Recovered from KV load "
+                       "failure' in pass 2 — no load failure reached the scheduler"):
+        load_failure(tmp_path, baseline, "recompute-silent", "recompute")
+
+
+def test_fail_policy_handled_right_passes(tmp_path, baseline):
+    load_failure(tmp_path, baseline, "fail", "fail")
+
+
+def test_fail_policy_answering_tokens_instead_of_an_error_is_caught(tmp_path,
+                                                                    baseline):
+    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=fail, async "
+                       r"scheduling on: pass 2's KV load failed but the request "
+                       r"completed with 16 tokens .* instead of an error"):
+        load_failure(tmp_path, baseline, "fail-garbage", "fail")
+
+
+def test_fail_policy_that_takes_the_server_down_is_caught(tmp_path, baseline):
+    with pytest.raises(AssertionError, match=r"(/health did not answer 200 after "
+                       r"the failed load|the request after the failed load did not "
+                       r"complete)"):
+        load_failure(tmp_path, baseline, "fail-dies", "fail")
+
+
+def test_streamed_error_event_reaches_the_caller_as_data(tmp_path):
+    p = book().get("acceptance")
+    with server(tmp_path, "fail", FAKE_VLLM_LOAD_FAILURE="fail") as srv:
+        c = srv.client()
+        assert c.stream(p).ok
+        c.reset_prefix_cache()
+        bad = c.stream(p)
+        assert not bad.ok and bad.error.startswith("stream error:")
+        assert '"code": 500' in bad.error and bad.status_code == 200
+        from tvc.client import ServerError
+
+        with pytest.raises(ServerError, match="stream error"):
+            c.reset_prefix_cache()
+            c.complete_streaming(p)

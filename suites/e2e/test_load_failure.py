@@ -1,0 +1,68 @@
+"""e2e: failed KV loads are handled as ``kv_load_failure_policy`` says.
+
+The profile's connector is wrapped by the fault injector (``tvc.faults``, mode
+``fail_load``: every load reports its blocks as failed) and served with each policy
+(``recompute``, ``fail``) and with async scheduling on and off. A stored prompt is
+sent again after ``POST /reset_prefix_cache``: under ``recompute`` it must complete
+with the baseline's output, under ``fail`` it must end with a clean per-request
+error; either way the server must stay up and answer the next request with the
+baseline's output. The profile's own policy (``[connector] kv_transfer``) is
+recorded; both policies are checked, since both are vLLM's contract with the
+connector (it must report failed loads through ``get_block_ids_with_load_errors``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tvc import acceptance as acc
+from tvc.session import state
+
+pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
+
+
+def faults_module():
+    """``tvc.faults`` (the scenarios helper's fault injector), or a clear skip."""
+    try:
+        mod = importlib.import_module("tvc.faults")
+    except ImportError as exc:
+        pytest.skip(f"tvc.faults is not available ({exc}): the fault-injecting "
+                    "connector (FaultInjectingConnector, wrap_kv_transfer_config) "
+                    "is needed to make KV loads fail")
+    if not hasattr(mod, "wrap_kv_transfer_config"):
+        pytest.skip("tvc.faults has no wrap_kv_transfer_config(cfg, mode): the "
+                    "fault injector's interface (INTERFACES.md) is not there yet")
+    return mod
+
+
+@pytest.mark.parametrize(("policy", "async_scheduling"), acc.LOAD_FAILURE_CASES,
+                         ids=[acc.case_id(p, a) for p, a in acc.LOAD_FAILURE_CASES])
+def test_failed_kv_load_follows_the_policy_and_the_server_lives_on(
+        policy, async_scheduling, vllm_server_factory, e2e_book, e2e_baseline,
+        record_property):
+    faults = faults_module()
+    profile = state().profile
+    declared = dict(profile["connector"]).get("kv_transfer", {}) or {}
+    record_property("profile_kv_load_failure_policy",
+                    declared.get("kv_load_failure_policy", "fail (vLLM default)"))
+    acc.record_seed(record_property)
+    cfg = faults.wrap_kv_transfer_config(profile.kv_transfer_config(), "fail_load")
+    cfg["kv_load_failure_policy"] = policy
+    flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
+    srv = vllm_server_factory(f"vllm-fail-load-{acc.case_id(policy, async_scheduling)}",
+                              kv_transfer_config=cfg,
+                              serve_args=[*profile["vllm"]["serve_args"], flag])
+    acc.check_block_size(e2e_book, srv.client().block_size())
+    cid = acc.case_id(policy, async_scheduling)
+    run = acc.run_load_failure(srv, e2e_book.get(f"load-failure-{cid}"),
+                               e2e_book.get(f"load-failure-{cid}-after"), policy,
+                               async_scheduling)
+    record_property("pass2_error", run.pass2.error)
+    record_property("pass2_external_hit_tokens", run.external_hits_pass2)
+    record_property("server_log", str(srv.log_path))
+    acc.check_load_failure(
+        run, acc.baseline_of(e2e_baseline, f"load-failure-{cid}"),
+        acc.baseline_of(e2e_baseline, f"load-failure-{cid}-after"),
+        acc.logprob_atol())

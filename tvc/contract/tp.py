@@ -392,7 +392,7 @@ class TPWorkerGroup:
         (as vLLM's ``MessageQueue`` broadcast does); the per-rank outputs are
         merged by vLLM's own ``KVOutputAggregator``.
         """
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+        from tvc.contract import compat
 
         results = self._all("execute", so, meta)
         outs = []
@@ -412,11 +412,7 @@ class TPWorkerGroup:
                             f"{start}, rank 0 at {self.loaded[rid]}")
             outs.append(out)
         self.rank_outputs.append(copy.deepcopy(outs))
-        mros = []
-        for out in outs:
-            mro = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
-            mro.kv_connector_output = out
-            mros.append(mro)
+        mros = [compat.model_runner_output([], [], out) for out in outs]
         merged = self.aggregator.aggregate(mros).kv_connector_output
         self.aggregated.append(merged)
         return merged

@@ -14,17 +14,10 @@ import pytest
 
 from selftests.conftest import run_suite
 from selftests.foundation import fakes
-from tvc.profile import SCHEMA
 
 HERE = Path(__file__).resolve().parent
 
-pytestmark = [
-    pytest.mark.hw_any,
-    pytest.mark.skipif(
-        "tensor_parallel_sizes" not in SCHEMA["vllm"],
-        reason="the profile schema lacks [vllm] tensor_parallel_sizes (it lands "
-               "with the profiles change); a profile cannot claim TP 2 before"),
-]
+pytestmark = [pytest.mark.hw_any]
 
 PROFILE = """\
 [profile]

@@ -27,5 +27,6 @@ pytest_plugins = ([] if _LOADED else ["tvc.plugin"]) + [
     "fixtures.contract",
     "fixtures.daemon",
     "fixtures.store",
+    "fixtures.pd",
     "tvc.compat_report",  # HarnessIncompatible -> an error, never a failure
 ]

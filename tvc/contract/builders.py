@@ -75,7 +75,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      max_num_batched_tokens: int = DEFAULT_MAX_MODEL_LEN,
                      max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
-                     device: str = "cpu") -> Any:
+                     device: str = "cpu", tensor_parallel_size: int = 1) -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
 
     Args:
@@ -94,6 +94,9 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
             moved to this session's store folder
             (:func:`tvc.run_store.isolate_store_paths`).
         device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
+        tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
+            heads per rank are then ``num_kv_heads // tensor_parallel_size``
+            (``ModelConfig.get_num_kv_heads``).
 
     Returns:
         ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
@@ -104,6 +107,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -127,7 +131,9 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     kt = KVTransferConfig(**ktc)
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=cache_config, kv_transfer_config=kt,
-                      device_config=DeviceConfig(device))
+                      device_config=DeviceConfig(device),
+                      parallel_config=ParallelConfig(
+                          tensor_parallel_size=tensor_parallel_size))
 
 
 def layer_names(vllm_config: Any) -> list[str]:

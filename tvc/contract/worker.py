@@ -195,7 +195,7 @@ class ConnectorWorker:
             kv = self.kv_caches[name]
             dev = kv.device
             got = token_view(kv, blocks.to(dev), offs.to(dev))
-            want = pattern_values(kv, li, pos, tok)
+            want = self.pattern(kv, li, pos, tok)
             if got.dtype.itemsize == 2:
                 eq = got.contiguous().view(torch.int16) == want.contiguous().view(
                     torch.int16)
@@ -261,7 +261,15 @@ class ConnectorWorker:
             kv = self.kv_caches[name]
             dev = kv.device
             set_token_slots(kv, blocks.to(dev), offs.to(dev),
-                            pattern_values(kv, li, pos, tok))
+                            self.pattern(kv, li, pos, tok))
+
+    def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
+        """The KV this worker's attention writes: :func:`pattern_values`.
+
+        A subclass may override it (the TP harness gives each rank its own heads'
+        share of one model-wide pattern, :mod:`tvc.contract.tp`).
+        """
+        return pattern_values(kv, layer_idx, positions, tokens)
 
     def _token_slots(self, req_id: str, start: int, end: int) -> tuple[Any, ...]:
         """(block ids, offsets, positions, token ids) of tokens [start, end)."""

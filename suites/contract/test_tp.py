@@ -1,0 +1,154 @@
+"""contract (TP = 2): every rank's KV round-trips bit-identically; ranks agree.
+
+vLLM runs one worker per tensor-parallel rank, each with its own share of the KV
+heads and its own connector worker; the executor merges the ranks' connector
+outputs with ``KVOutputAggregator`` before the scheduler sees them. The harness
+(:mod:`tvc.contract.tp`) does the same with two rank processes (gloo on CPU, NCCL
+on two GPUs): each rank writes its heads' share of one model-wide KV pattern, the
+connector saves it, the caches are zeroed and the prompt is replayed; every rank
+must get back exactly its own heads. A request one rank reports finished must be
+reported by every rank (else vLLM holds its blocks forever), and a load error one
+rank reports must reach the scheduler.
+
+Runs for profiles declaring ``[vllm] tensor_parallel_sizes`` with 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tvc import contract as C
+from tvc.contract import tp as TP
+from tvc.profile import Profile
+
+pytestmark = [pytest.mark.contract]
+
+TP_SIZE = 2
+DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu-gloo"),
+           pytest.param("cuda", marks=pytest.mark.hw_gpu2, id="cuda-nccl")]
+# (block size, model KV heads): one KV head per rank, and two per rank (a fault in
+# part of a rank's heads shows only with two).
+CASES = [(16, 2), (16, 4)]
+
+
+def _gate(profile: Profile, device: str) -> None:
+    sizes = TP.declared_tp_sizes(profile)
+    if TP_SIZE not in sizes:
+        pytest.skip(f"profile {profile.name} declares [vllm] tensor_parallel_sizes = "
+                    f"{sizes}: TP {TP_SIZE} is not claimed. Declare [1, {TP_SIZE}] "
+                    "when the connector keeps each rank's KV apart")
+    if device not in profile["connector"]["worker_devices"]:
+        pytest.skip(f"profile {profile.name}: connector.worker_devices "
+                    f"{profile['connector']['worker_devices']} lacks {device}; this "
+                    "case runs as the other device's variant")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < TP_SIZE:
+            from tvc.session import missing_hardware
+
+            missing_hardware("gpu2", f"torch sees {torch.cuda.device_count()} CUDA "
+                             f"device(s); TP {TP_SIZE} needs one per rank.")
+
+
+@pytest.fixture
+def tp_rig_factory(contract_profile: Profile, contract_scratch: Path
+                   ) -> Iterator[Any]:
+    """Factory ``(**kw) -> TPRig`` (see :func:`tvc.contract.tp.make_tp_rig`).
+
+    Every rig's rank processes are stopped after the test.
+    """
+    rigs: list[TP.TPRig] = []
+
+    def factory(**kw: Any) -> TP.TPRig:
+        try:
+            rig = TP.make_tp_rig(contract_profile, contract_scratch, **kw)
+        except TP.TPHarnessError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        rigs.append(rig)
+        return rig
+
+    yield factory
+    for rig in rigs:
+        rig.close()
+
+
+def _store_then_replay(rig: TP.TPRig, n: int) -> tuple[Any, Any]:
+    first = rig.request(n)
+    TP.run_tp(rig.driver, rig.group, first)
+    rig.forget_local_cache()
+    rig.group.zero()
+    second = rig.request(n, shared_prefix=first.prompt_token_ids)
+    TP.run_tp(rig.driver, rig.group, second)
+    return first, second
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads"), CASES,
+                         ids=[f"B{b}-H{h}" for b, h in CASES])
+def test_tp_round_trip_is_bit_identical_on_every_rank(
+        tp_rig_factory, contract_profile, device, block_size, num_kv_heads) -> None:
+    _gate(contract_profile, device)
+    rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=block_size,
+                         num_kv_heads=num_kv_heads, num_blocks=64)
+    n = 4 * block_size + block_size // 2  # 4.5 blocks: whole blocks + a tail
+    _, second = _store_then_replay(rig, n)
+    local, matched, _ = C.external_hit(rig.driver, second)
+    assert matched > 0, (
+        f"TP {TP_SIZE}: replaying a stored {n}-token prompt matched 0 tokens; the "
+        "round trip needs a hit (check the TP = 1 contract tests first)")
+    g = rig.group
+    assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
+        f"request {second.request_id} started computing at token "
+        f"{g.loaded.get(second.request_id)} although {matched} tokens were matched")
+    C.assert_loaded_kv_bit_identical(g)
+    stray = g.stray_block(second.request_id)
+    assert not stray, stray
+    msg = g.verify_range(second.request_id, 0, n)
+    assert not msg, f"after the replay: {msg}"
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp_load_error_on_one_rank_reaches_the_scheduler(
+        tp_rig_factory, contract_profile, device) -> None:
+    """Rank 1 reports the blocks it loaded as invalid; rank 0 reports none.
+
+    With ``kv_load_failure_policy = "fail"`` (vLLM's default) vLLM must finish
+    the request with an error after merging the ranks' outputs, and the connector
+    must release everything.
+    """
+    from vllm.v1.request import RequestStatus
+
+    _gate(contract_profile, device)
+    ktc = dict(contract_profile.kv_transfer_config(), kv_load_failure_policy="fail")
+    rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=16,
+                         num_kv_heads=2, num_blocks=64, kv_transfer_config=ktc,
+                         rank_faults={1: "load_error"})
+    n = 4 * 16 + 8
+    _, second = _store_then_replay(rig, n)
+    _, matched, _ = C.external_hit(rig.driver, second)
+    assert matched > 0, (
+        f"TP {TP_SIZE}: the replay matched 0 tokens, so no load happened and no "
+        "load error could be injected on rank 1")
+    injected = rig.group.injected_invalid()
+    assert not injected[0] and injected[1], (
+        f"the harness injected invalid blocks {injected} (rank 0 must report none, "
+        "rank 1 some): the load-error scenario did not happen")
+    rank0 = set().union(*(outs[0].invalid_block_ids or set()
+                          for outs in rig.group.rank_outputs))
+    merged = set().union(*(o.invalid_block_ids or set()
+                           for o in rig.group.aggregated))
+    assert not rank0 and set(injected[1]) <= merged, (
+        f"KVOutputAggregator output lacks rank 1's invalid blocks {injected[1]} "
+        f"(merged: {sorted(merged)})")
+    assert second.status == RequestStatus.FINISHED_ERROR, (
+        f"request {second.request_id}: rank 1 reported KV blocks {injected[1]} as "
+        f"failed to load, yet the request ended {second.status.name} instead of "
+        "FINISHED_ERROR (kv_load_failure_policy = fail): the scheduler did not act "
+        "on a rank-local load error")
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)

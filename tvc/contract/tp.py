@@ -1,0 +1,544 @@
+"""Worker harness at tensor parallelism N: one process per rank, vLLM's TP groups.
+
+vLLM runs one worker process per TP rank; each allocates the KV caches of its share
+of the KV heads (``ModelConfig.get_num_kv_heads(parallel_config)`` =
+``num_kv_heads // tensor_parallel_size``, at least 1), creates the connector's
+worker side and runs every step; the executor gathers the per-rank
+``ModelRunnerOutput`` and merges the ``kv_connector_output`` with
+``KVOutputAggregator`` (``vllm/distributed/kv_transfer/kv_connector/utils.py``,
+created from the scheduler-side connector by
+``Executor.init_kv_output_aggregator``) before the scheduler sees it: a request is
+finished sending / receiving only when every rank (or ``get_finished_count()``
+ranks) reported it, ``invalid_block_ids`` are the union, worker metadata is merged
+with ``KVConnectorWorkerMetadata.aggregate``.
+
+This module does the same around vLLM's real ``Scheduler``:
+
+* :class:`TPWorkerGroup` spawns N rank processes (``multiprocessing`` spawn); each
+  enters :func:`tvc.contract.distributed.vllm_distributed` (gloo on CPU, NCCL on
+  CUDA), builds a :class:`TPRankWorker` (the connector's real worker side on its
+  own KV caches) and serves steps over a pipe. ``execute`` has the interface of
+  :class:`tvc.contract.worker.ConnectorWorker`, so
+  :class:`tvc.contract.driver.EngineDriver` drives the group unchanged.
+* The fake attention writes each rank's share of ONE model-wide pattern: rank r's
+  heads are the global KV heads ``[r * H // N, r * H // N + H_r)``, so a rank that
+  loads another rank's KV, or only part of its own heads, differs bit for bit.
+* :func:`run_tp` runs requests and names the rank when the ranks disagree about
+  finished transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tvc.contract.builders import (
+    DEFAULT_NUM_BLOCKS,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+)
+from tvc.contract.distributed import free_init_method, vllm_distributed
+from tvc.contract.driver import EngineDriver
+from tvc.contract.worker import ConnectorWorker, pattern_values, slots_for, token_view
+from tvc.profile import Profile
+
+__all__ = ["RANK_FAULTS", "TPHarnessError", "TPRankWorker", "TPRig",
+           "TPWorkerGroup", "assert_ranks_agree_on_finished", "declared_tp_sizes",
+           "make_tp_rig", "rank_head_range", "run_tp", "tp_pattern_values"]
+
+# Seconds a rank may take to start (spawn + import torch and vLLM + connector set-up;
+# about 20 s on a 2-core box) and to answer one step.
+RANK_START_TIMEOUT_S = 300.0
+RANK_STEP_TIMEOUT_S = 120.0
+
+# Harness-side rank-local faults (what a connector's worker would report on one
+# rank): "load_error" adds the blocks the rank just loaded to its
+# invalid_block_ids, as a connector reports them from get_block_ids_with_load_errors.
+RANK_FAULTS = ("load_error",)
+
+
+class TPHarnessError(RuntimeError):
+    """A rank process failed to start or to answer (not a connector verdict)."""
+
+
+def declared_tp_sizes(profile: Profile) -> list[int]:
+    """The profile's ``[vllm] tensor_parallel_sizes`` (default ``[1]``).
+
+    Read with a default so that a profile schema without the key (before the
+    profiles change lands) means "TP 1 only".
+    """
+    return [int(x) for x in profile["vllm"].get("tensor_parallel_sizes", [1])]
+
+
+def rank_head_range(rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
+    """Global KV heads ``[first, first + count)`` held by ``rank``.
+
+    vLLM splits KV heads evenly over TP ranks; with fewer KV heads than ranks each
+    head is replicated (``ModelConfig.get_num_kv_heads``: ``max(1, H // tp)``) and
+    rank r holds head ``r * H // tp``.
+
+    Raises:
+        ValueError: ``total_kv_heads`` is neither divisible by ``tp_size`` nor a
+            divisor of it (vLLM rejects such a model too).
+
+    """
+    if total_kv_heads % tp_size and tp_size % total_kv_heads:
+        raise ValueError(f"{total_kv_heads} KV heads cannot be split over "
+                         f"tensor_parallel_size {tp_size}")
+    return rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size)
+
+
+def tp_pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any,
+                      rank: int, tp_size: int, total_kv_heads: int) -> Any:
+    """Rank ``rank``'s share of the model-wide KV pattern.
+
+    The model-wide pattern is :func:`tvc.contract.worker.pattern_values` of a
+    cache with all ``total_kv_heads`` heads; this returns its slice of the rank's
+    heads (:func:`rank_head_range`), so the union over ranks is the TP = 1 pattern.
+
+    Args:
+        kv: the rank's layer tensor (dtype, device, layout).
+        layer_idx: layer index.
+        positions: long tensor ``(n,)``.
+        tokens: long tensor ``(n,)``.
+        rank: TP rank.
+        tp_size: TP size.
+        total_kv_heads: the model's ``num_key_value_heads``.
+
+    Returns:
+        tensor shaped like :func:`tvc.contract.worker.token_view` of ``kv`` for
+        ``n`` tokens.
+
+    """
+    import torch
+
+    first, count = rank_head_range(rank, tp_size, total_kv_heads)
+    one = torch.zeros(1, dtype=torch.long, device=kv.device)
+    like = token_view(kv, one, one)
+    if kv.dim() == 4:  # (N, H, B, 2D) -> token view (n, H, 2D)
+        full = torch.zeros((1, total_kv_heads, 1, kv.shape[3]), dtype=kv.dtype,
+                           device=kv.device)
+        head_dim = 1
+    else:  # (2, N, B, H, D) -> token view (2, n, H, D)
+        full = torch.zeros((2, 1, 1, total_kv_heads, kv.shape[4]), dtype=kv.dtype,
+                           device=kv.device)
+        head_dim = 2
+    assert like.shape[head_dim] == count, (
+        f"rank {rank}: KV cache has {like.shape[head_dim]} heads, expected {count} "
+        f"({total_kv_heads} KV heads over TP {tp_size})")
+    vals = pattern_values(full, layer_idx, positions, tokens)
+    return vals.narrow(head_dim, first, count).contiguous()
+
+
+class TPRankWorker(ConnectorWorker):
+    """:class:`ConnectorWorker` of one TP rank (its heads' share of the pattern).
+
+    Attributes:
+        rank: TP rank.
+        tp_size: TP size.
+        total_kv_heads: the model's KV heads.
+        fault: a harness-side rank-local fault from :data:`RANK_FAULTS` or ''.
+        injected_invalid: block ids this rank reported through ``fault``.
+
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, device: str, *,
+                 rank: int, tp_size: int, fault: str = "") -> None:
+        self.rank = rank
+        self.tp_size = tp_size
+        self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.fault = fault
+        self.injected_invalid: set[int] = set()
+        super().__init__(vllm_config, kv_cache_config, device)
+
+    def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
+        """The rank's share of the model-wide pattern (:func:`tp_pattern_values`)."""
+        return tp_pattern_values(kv, layer_idx, positions, tokens, self.rank,
+                                 self.tp_size, self.total_kv_heads)
+
+    def verify_range(self, req_id: str, start: int, end: int) -> str:
+        """:meth:`ConnectorWorker.verify_range`, the message naming rank and heads."""
+        msg = super().verify_range(req_id, start, end)
+        if not msg:
+            return ""
+        first, count = rank_head_range(self.rank, self.tp_size, self.total_kv_heads)
+        return (f"rank {self.rank} of {self.tp_size} (KV heads {first}.."
+                f"{first + count - 1} of {self.total_kv_heads}), {msg}")
+
+    def stray_block(self, req_id: str) -> str:
+        """'' when only ``req_id``'s blocks hold non-zero KV, else a sentence."""
+        import torch
+
+        own = set(self.block_table.get(req_id, ()))
+        for name, kv in self.kv_caches.items():
+            nb = kv.shape[0] if kv.dim() == 4 else kv.shape[1]
+            others = torch.tensor(sorted(set(range(nb)) - own), dtype=torch.long,
+                                  device=kv.device)
+            stray = (kv[others] if kv.dim() == 4 else kv[:, others]).ne(0)
+            if bool(stray.any()):
+                idx = stray.reshape(stray.shape[0], -1).any(dim=1) if kv.dim() == 4 \
+                    else stray.transpose(0, 1).reshape(len(others), -1).any(dim=1)
+                bad = int(others[idx.nonzero()[0]].item())
+                return (f"rank {self.rank}: layer {name}: block {bad}, which request "
+                        f"{req_id} does not own, changed during the load — the "
+                        "connector writes into the wrong block")
+        return ""
+
+    def execute(self, so: Any, meta: Any) -> Any:
+        """One step (see :meth:`ConnectorWorker.execute`), plus the rank fault."""
+        before = dict(self.loaded)
+        out = super().execute(so, meta)
+        if self.fault == "load_error":
+            for rid, start in self.loaded.items():
+                if rid in before or start <= 0:
+                    continue
+                blocks, _, _ = slots_for(self.block_table[rid], 0, start,
+                                         self.block_size)
+                bad = {int(b) for b in blocks.unique()}
+                self.injected_invalid |= bad
+                out.invalid_block_ids = set(out.invalid_block_ids or ()) | bad
+        return out
+
+
+# ----------------------------------------------------------------- rank process
+def _rank_main(rank: int, tp_size: int, backend: str, init_method: str,
+               vllm_config: Any, kv_cache_config: Any, device: str, fault: str,
+               conn: Any) -> None:
+    """Body of one rank process: set up, then answer commands until 'stop'."""
+    try:
+        with vllm_distributed(tp_size, rank, backend, init_method,
+                              vllm_config=vllm_config):
+            worker = TPRankWorker(vllm_config, kv_cache_config, device, rank=rank,
+                                  tp_size=tp_size, fault=fault)
+            conn.send(("ready", rank))
+            _serve(worker, conn)
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _serve(worker: TPRankWorker, conn: Any) -> None:
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "stop":
+            c = worker.connector
+            if hasattr(c, "shutdown"):
+                with contextlib.suppress(Exception):
+                    c.shutdown()
+            conn.send(("ok", None))
+            return
+        try:
+            if cmd == "execute":
+                n_err = len(worker.load_errors)
+                out = worker.execute(*args)
+                res: Any = (out, worker.load_errors[n_err:], dict(worker.loaded),
+                            {r: list(b) for r, b in worker.block_table.items()})
+            elif cmd == "zero":
+                worker.zero()
+                res = None
+            elif cmd == "verify":
+                res = worker.verify_range(*args)
+            elif cmd == "stray":
+                res = worker.stray_block(*args)
+            elif cmd == "injected":
+                res = sorted(worker.injected_invalid)
+            else:
+                raise ValueError(f"unknown rank command {cmd!r}")
+        except BaseException:  # noqa: BLE001 - report, keep serving
+            conn.send(("error", traceback.format_exc()))
+            continue
+        conn.send(("ok", res))
+
+
+# ------------------------------------------------------------------- parent side
+@dataclass
+class TPWorkerGroup:
+    """N rank processes driven as one worker (the executor's view).
+
+    Args:
+        vllm_config: with ``parallel_config.tensor_parallel_size`` = N.
+        kv_cache_config: per-rank ``KVCacheConfig`` (its spec has the per-rank
+            head count).
+        device: ``cpu`` or ``cuda`` (rank r uses ``cuda:r``).
+        scheduler_connector: the scheduler-side connector (for
+            ``KVOutputAggregator.from_connector``; its ``get_finished_count``).
+        backend: ``gloo`` or ``nccl``; default ``nccl`` on CUDA, else ``gloo``.
+        rank_faults: rank -> harness-side fault (:data:`RANK_FAULTS`).
+
+    Attributes:
+        tp_size: N.
+        load_errors: every rank's load verification failures (rank named).
+        loaded: request id -> first computed token when first scheduled (rank 0;
+            every rank must agree).
+        block_table: request id -> block ids (rank 0's view).
+        rank_outputs: per step, the N per-rank ``KVConnectorOutput``.
+        aggregated: per step, the merged ``KVConnectorOutput`` the scheduler saw.
+        finished_by_rank: {"sending"|"recving": {rank: set of request ids}}.
+
+    Raises:
+        TPHarnessError: a rank failed to start (its traceback in the message).
+
+    """
+
+    vllm_config: Any
+    kv_cache_config: Any
+    device: str
+    scheduler_connector: Any
+    backend: str | None = None
+    rank_faults: dict[int, str] = field(default_factory=dict)
+    load_errors: list[str] = field(default_factory=list)
+    loaded: dict[str, int] = field(default_factory=dict)
+    block_table: dict[str, list[int]] = field(default_factory=dict)
+    rank_outputs: list[list[Any]] = field(default_factory=list)
+    aggregated: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+        self.backend = self.backend or ("nccl" if self.device == "cuda" else "gloo")
+        for r, f in self.rank_faults.items():
+            if f not in RANK_FAULTS or not 0 <= r < self.tp_size:
+                raise ValueError(f"rank_faults: {r}: {f!r} (ranks 0.."
+                                 f"{self.tp_size - 1}, faults {RANK_FAULTS})")
+        if self.scheduler_connector is not None:
+            self.aggregator = KVOutputAggregator.from_connector(
+                self.scheduler_connector, self.tp_size)
+        else:
+            self.aggregator = KVOutputAggregator(self.tp_size)
+        self.finished_by_rank: dict[str, dict[int, set[str]]] = {
+            "sending": {r: set() for r in range(self.tp_size)},
+            "recving": {r: set() for r in range(self.tp_size)}}
+        ctx = mp.get_context("spawn")
+        init = free_init_method()
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        try:
+            for r in range(self.tp_size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(
+                    target=_rank_main, name=f"tvc-tp-rank{r}", daemon=True,
+                    args=(r, self.tp_size, self.backend, init, self.vllm_config,
+                          self.kv_cache_config, self.device,
+                          self.rank_faults.get(r, ""), child))
+                p.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(p)
+            for r in range(self.tp_size):
+                self._recv(r, RANK_START_TIMEOUT_S, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- plumbing ----------------------------------------------------------------
+    def _recv(self, rank: int, timeout_s: float, what: str) -> Any:
+        conn, proc = self._conns[rank], self._procs[rank]
+        if not conn.poll(timeout_s):
+            state = "alive" if proc.is_alive() else f"exited {proc.exitcode}"
+            raise TPHarnessError(
+                f"TP harness: rank {rank} did not answer '{what}' within "
+                f"{timeout_s:.0f} s (process {state})")
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            proc.join(5)
+            raise TPHarnessError(
+                f"TP harness: rank {rank} exited (code {proc.exitcode}) during "
+                f"'{what}' without a report") from None
+        if kind == "error":
+            raise TPHarnessError(f"TP harness: rank {rank} failed during '{what}':\n"
+                                 f"{payload}")
+        return payload
+
+    def _all(self, cmd: str, *args: Any, timeout_s: float = RANK_STEP_TIMEOUT_S
+             ) -> list[Any]:
+        for conn in self._conns:
+            conn.send((cmd, *args))
+        return [self._recv(r, timeout_s, cmd) for r in range(self.tp_size)]
+
+    def close(self) -> None:
+        """Stop every rank (shutdown its connector), killing any that hangs."""
+        for r, conn in enumerate(self._conns):
+            with contextlib.suppress(Exception):
+                if self._procs[r].is_alive():
+                    conn.send(("stop",))
+                    conn.poll(30)
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._conns, self._procs = [], []
+
+    # -- worker interface (EngineDriver) ----------------------------------------
+    def execute(self, so: Any, meta: Any) -> Any:
+        """Run one step on every rank; return the merged ``KVConnectorOutput``.
+
+        Each rank gets the scheduler output and the connector metadata pickled
+        (as vLLM's ``MessageQueue`` broadcast does); the per-rank outputs are
+        merged by vLLM's own ``KVOutputAggregator``.
+        """
+        from tvc.contract import compat
+
+        results = self._all("execute", so, meta)
+        outs = []
+        for r, (out, errors, loaded, table) in enumerate(results):
+            self.load_errors += errors
+            for kind, got in (("sending", out.finished_sending),
+                              ("recving", out.finished_recving)):
+                self.finished_by_rank[kind][r] |= set(got or ())
+            if r == 0:
+                self.loaded.update(loaded)
+                self.block_table = table
+            else:
+                for rid, start in loaded.items():
+                    if self.loaded.get(rid, start) != start:
+                        self.load_errors.append(
+                            f"request {rid}: rank {r} started computing at token "
+                            f"{start}, rank 0 at {self.loaded[rid]}")
+            outs.append(out)
+        self.rank_outputs.append(copy.deepcopy(outs))
+        mros = [compat.model_runner_output([], [], out) for out in outs]
+        merged = self.aggregator.aggregate(mros).kv_connector_output
+        self.aggregated.append(merged)
+        return merged
+
+    def zero(self) -> None:
+        """Zero every rank's KV caches."""
+        self._all("zero")
+
+    def verify_range(self, req_id: str, start: int, end: int) -> str:
+        """Every rank's :meth:`TPRankWorker.verify_range`; the first failure or ''."""
+        return next((m for m in self._all("verify", req_id, start, end) if m), "")
+
+    def stray_block(self, req_id: str) -> str:
+        """Every rank's :meth:`TPRankWorker.stray_block`; the first failure or ''."""
+        return next((m for m in self._all("stray", req_id) if m), "")
+
+    def injected_invalid(self) -> list[list[int]]:
+        """Per rank, the block ids reported invalid by its harness-side fault."""
+        return self._all("injected")
+
+
+def assert_ranks_agree_on_finished(group: TPWorkerGroup) -> None:
+    """Every request finished on one rank was reported by the expected ranks.
+
+    vLLM's ``KVOutputAggregator`` tells the scheduler a request finished sending /
+    receiving only when ``get_finished_count()`` (default: every) rank reported
+    it; a rank that never does keeps the request's blocks held forever.
+
+    Raises:
+        AssertionError: names the request, the direction and the silent ranks.
+
+    """
+    expected = group.aggregator._expected_finished_count  # noqa: SLF001 - vLLM's count
+    for kind, by_rank in group.finished_by_rank.items():
+        every = set().union(*by_rank.values())
+        for rid in sorted(every):
+            told = [r for r in range(group.tp_size) if rid in by_rank[r]]
+            if len(told) < expected:
+                silent = [r for r in range(group.tp_size) if r not in told]
+                raise AssertionError(
+                    f"request {rid}: finished_{kind} was reported by rank(s) {told} "
+                    f"but never by rank(s) {silent} (vLLM waits for {expected} of "
+                    f"{group.tp_size} ranks): after KVOutputAggregator the scheduler "
+                    f"never learns that the transfer finished, so the request's "
+                    f"blocks stay held. Every rank's worker must report the "
+                    f"requests it finished (or get_finished_count() must say how "
+                    f"many ranks report)")
+
+
+def run_tp(driver: EngineDriver, group: TPWorkerGroup, *requests: Any) -> None:
+    """``driver.run(*requests)``; a hang caused by a silent rank names that rank.
+
+    Raises:
+        AssertionError: from the driver, or from
+            :func:`assert_ranks_agree_on_finished` when the ranks disagree.
+
+    """
+    try:
+        driver.run(*requests)
+    except AssertionError:
+        assert_ranks_agree_on_finished(group)
+        raise
+    assert_ranks_agree_on_finished(group)
+
+
+@dataclass
+class TPRig:
+    """Config, scheduler, rank group and driver for one connector at TP = N."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler: Any
+    group: TPWorkerGroup
+    driver: EngineDriver
+
+    @property
+    def block_size(self) -> int:
+        """KV block size B in tokens."""
+        return self.vllm_config.cache_config.block_size
+
+    def request(self, num_tokens: int, **kw: Any) -> Any:
+        """:func:`tvc.contract.builders.make_request` with this rig's block size."""
+        return make_request(num_tokens=num_tokens, block_size=self.block_size, **kw)
+
+    def forget_local_cache(self) -> None:
+        """Drop vLLM's local prefix cache (``Scheduler.reset_prefix_cache``)."""
+        assert self.scheduler.reset_prefix_cache(), (
+            "vLLM refused to reset its prefix cache: a request still holds blocks")
+
+    def close(self) -> None:
+        """Stop the ranks and shut the scheduler-side connector down."""
+        self.group.close()
+        c = self.scheduler.connector
+        if c is not None and hasattr(c, "shutdown"):
+            with contextlib.suppress(Exception):
+                c.shutdown()
+
+
+def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
+                device: str = "cpu", backend: str | None = None,
+                num_blocks: int = DEFAULT_NUM_BLOCKS,
+                rank_faults: dict[int, str] | None = None,
+                **config_kw: Any) -> TPRig:
+    """Build a :class:`TPRig`: TP config, scheduler, N rank processes, driver.
+
+    Args:
+        profile: the target profile.
+        scratch: suite-owned directory.
+        tp_size: tensor-parallel size N (``num_kv_heads`` must split over it).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL, rank r on ``cuda:r``).
+        backend: override of the torch.distributed backend.
+        num_blocks: KV blocks per rank's pool.
+        rank_faults: rank -> harness-side fault (:data:`RANK_FAULTS`).
+        **config_kw: passed to :func:`tvc.contract.builders.make_vllm_config`.
+
+    Returns:
+        the rig; call :meth:`TPRig.close` when done.
+
+    Raises:
+        TPHarnessError: a rank failed to start.
+
+    """
+    vc = make_vllm_config(profile, scratch=scratch, device=device,
+                          tensor_parallel_size=tp_size, **config_kw)
+    kcc = make_kv_cache_config(vc, num_blocks)
+    sched = make_scheduler(vc, kcc)
+    group = TPWorkerGroup(vc, kcc, device, sched.connector, backend=backend,
+                          rank_faults=dict(rank_faults or {}))
+    return TPRig(vc, kcc, sched, group, EngineDriver(sched, worker=group))

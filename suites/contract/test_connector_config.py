@@ -25,6 +25,8 @@ def _create(profile, scratch, ktc) -> str:
     """Create the scheduler-side connector through vLLM; return the error ('' = ok)."""
     try:
         rig = C.make_rig(profile, scratch, kv_transfer_config=ktc, real_worker=False)
+    except C.HarnessIncompatible:
+        raise  # the suite cannot drive this vLLM: an error, not the answer
     except Exception as exc:  # noqa: BLE001 - any creation failure is the answer
         return f"{type(exc).__name__}: {exc}"
     if rig.scheduler.connector is not None and hasattr(rig.scheduler.connector,

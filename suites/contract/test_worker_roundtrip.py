@@ -4,8 +4,10 @@ Loaded into the right blocks and layers; no other block or layer changes.
 
 KV caches are allocated in the layout the installed vLLM uses for FlashAttention
 (``get_kv_cache_shape`` + ``get_kv_cache_stride_order`` under the connector's
-required layout). The model's attention is replaced by writing a known pattern
-(a function of layer, position and token id) into the scheduled tokens' slots;
+required layout in vLLM 0.26/0.28, ``vllm.v1.worker.utils.allocate_kv_cache`` in the
+layout the engine resolves in 0.33; see ``tvc.contract.compat``). The model's
+attention is replaced by writing a known pattern (a function of layer, position and
+token id) into the scheduled tokens' slots;
 ``save_kv_layer`` per layer and ``wait_for_save`` store it; all caches are then
 zeroed, vLLM's local prefix cache is dropped, and the same prompt is replayed:
 ``start_load_kv`` / ``wait_for_layer_load`` must restore exactly the hit.

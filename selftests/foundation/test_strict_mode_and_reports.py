@@ -86,7 +86,7 @@ def test_unknown_required_level_is_an_argparse_error_naming_the_option(tmp_path
                      "gpu,bogus"], tmp_path / "r")
     assert run.rc == 4 and run.summary is None
     assert ("error: argument --tvc-require: unknown hardware level 'bogus' "
-            "(known: gpu, nvme, all)") in run.stdout, run.tail()
+            "(known: gpu, gpu2, nvme, all)") in run.stdout, run.tail()
     assert "Traceback" not in run.stdout
 
 
@@ -96,7 +96,7 @@ def test_unknown_required_level_from_environment_is_one_line(tmp_path) -> None:
     assert run.rc == 4 and run.summary is None
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert lines == ["ERROR: TVC_REQUIRE: unknown hardware level 'bogus' "
-                     "(known: gpu, nvme, all)"]
+                     "(known: gpu, gpu2, nvme, all)"]
 
 
 def _junit_counts(run: SuiteRun) -> dict[str, int]:

@@ -6,13 +6,22 @@ transfer-acknowledging stand-in (:class:`JobAckWorker`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from tvc.contract.compat import HarnessIncompatible, forward_context
 from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
-from tvc.contract.compat import forward_context
+from tvc.error_hints import hint_prefix
+
+#: value written into the slots a synchronous load must fill, before the load:
+#: never a pattern value (those are integers in [-125, 125], see
+#: :func:`pattern_values`), exact in float16/bfloat16
+POISON = 0.5
 
 # --------------------------------------------------------------- KV cache + pattern
 # The attention backend, the KV allocation and the forward context differ between
@@ -96,6 +105,93 @@ def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int
     return blocks, pos % block_size, pos
 
 
+def allocate_cross_layer_kv_caches(vllm_config: Any, kv_cache_config: Any,
+                                   device: str) -> tuple[dict[str, Any], Any, Any]:
+    """One KV tensor for all layers, as vLLM allocates it for such connectors.
+
+    ``GPUModelRunner.initialize_kv_cache_tensors`` (``vllm/v1/worker/
+    gpu_model_runner.py``, 0.28) uses the uniform layout when
+    ``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` holds: the connector's
+    ``prefer_cross_layer_blocks`` is True, there is one KV cache group of
+    ``AttentionSpec`` layers without per-token-head quantisation, and the
+    attention backend ``indexes_kv_by_block_stride()``. It then calls
+    ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (used here as is)
+    and registers the tensor with ``register_cross_layers_kv_cache(tensor,
+    backend)`` instead of ``register_kv_caches``.
+
+    Args:
+        vllm_config: the config (made current: the backend's stride order reads
+            the connector's required KV layout through it).
+        kv_cache_config: from :func:`tvc.contract.builders.make_kv_cache_config`.
+        device: ``cpu`` or ``cuda``.
+
+    Returns:
+        ``(layer name -> per-layer view of logical shape (num_blocks, H, B, 2*D),
+        the cross-layer tensor, the attention backend)``; with FlashAttention and
+        the NHD layout the cross-layer tensor is ``(num_blocks, num_layers, B, H,
+        2*D)``, contiguous. ``({}, None, None)`` where vLLM would not use the
+        uniform layout for this KV cache config.
+
+    Raises:
+        HarnessIncompatible: this vLLM has no ``allocate_uniform_kv_caches`` /
+            ``AttentionGroup`` the harness can call.
+
+    """
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import utils as attn_utils
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return {}, None, None
+    spec = groups[0].kv_cache_spec
+    quant = getattr(spec, "kv_quant_mode", None)
+    if getattr(quant, "is_per_token_head", False):
+        return {}, None, None
+    api = "vllm.v1.worker.kv_connector_model_runner_mixin." \
+        "KVConnectorModelRunnerMixin.allocate_uniform_kv_caches"
+    try:
+        from vllm.v1.worker.kv_connector_model_runner_mixin import (
+            KVConnectorModelRunnerMixin,
+        )
+        from vllm.v1.worker.utils import AttentionGroup
+    except ImportError as exc:
+        raise HarnessIncompatible(api, f"cannot import it: {exc}") from None
+    allocate = getattr(KVConnectorModelRunnerMixin, "allocate_uniform_kv_caches",
+                       None)
+    params = list(inspect.signature(allocate).parameters) if allocate else []
+    want = ["kv_cache_config", "attn_groups", "cache_dtype", "device",
+            "kernel_block_sizes"]
+    if params[:5] != want:
+        raise HarnessIncompatible(api, f"parameters {params}, the harness passes "
+                                  f"{want}")
+    backend = attention_backend()
+    layout_cache = getattr(attn_utils.get_kv_cache_layout, "cache_clear", None)
+    with set_current_vllm_config(vllm_config):
+        if layout_cache:
+            layout_cache()
+        try:
+            by_stride = getattr(backend, "indexes_kv_by_block_stride", None)
+            if by_stride is None or not by_stride():
+                return {}, None, None
+            if "indexes_kv_by_block_stride" in {
+                    f.name for f in dataclasses.fields(spec)}:
+                spec = dataclasses.replace(spec, indexes_kv_by_block_stride=True)
+            group = AttentionGroup(backend, list(groups[0].layer_names), spec, 0)
+            kv_caches, cross, attn_backend = allocate(
+                kv_cache_config, [[group]], vllm_config.cache_config.cache_dtype,
+                torch.device(device), [spec.block_size])
+        finally:
+            if layout_cache:
+                layout_cache()
+    return ({n: kv_caches[n] for n in groups[0].layer_names}, cross,
+            attn_backend)
+
+
+class ConnectorWorkerError(RuntimeError):
+    """The connector's worker side failed in the harness; the message says where."""
+
+
 # --------------------------------------------------------------------------- workers
 class ConnectorWorker:
     """The connector's real worker side, driven the way the model runner drives it.
@@ -106,14 +202,34 @@ class ConnectorWorker:
     scheduled tokens' slots), ``save_kv_layer``; then ``wait_for_save``,
     ``get_finished``, ``build_connector_worker_meta``, ``clear_connector_metadata``.
 
+    Set-up as ``GPUModelRunner`` does it: vLLM's distributed environment for
+    world size 1 (:func:`tvc.contract.distributed.vllm_distributed`, unless this
+    process already has one), the worker-role connector, then the KV caches:
+    one cross-layer tensor registered with ``register_cross_layers_kv_cache``
+    where the connector sets ``prefer_cross_layer_blocks`` and vLLM would use
+    the uniform layout (:func:`allocate_cross_layer_kv_caches`), else one
+    tensor per layer registered with ``register_kv_caches``.
+
+    Loads are judged against what the connector says: before each step the
+    slots of every synchronous external load (:meth:`expect_loads`) are filled
+    with :data:`POISON`; once verified, every loaded token must hold the stored
+    pattern, and the blocks the connector reports through
+    ``get_block_ids_with_load_errors()`` (and the requests it reports through
+    ``get_request_ids_with_load_errors()``, where it has it) must be exactly
+    the failed ones: the first reported block of a request is its first block
+    that does not hold the stored KV.
+
     Attributes:
         connector: the worker-role connector made by ``KVConnectorFactory``.
         kv_caches: layer name -> KV tensor (see :func:`allocate_kv_caches`).
+        cross_layer_kv_cache: the cross-layer tensor when one was registered,
+            else None.
         loaded: request id -> number of tokens vLLM counted as computed (local
             prefix cache hit + connector load) when the request first computed;
             their slots are verified in that step (filled by :meth:`execute`; a
             request resumed after preemption is verified again).
-        load_errors: one sentence per request whose verified slots differ.
+        load_errors: one sentence per request whose verified slots differ, or
+            whose load-error report names blocks or requests that did not fail.
         reported_invalid_blocks: every block the connector reported through
             ``get_block_ids_with_load_errors`` (mismatches at or after a
             request's first reported block are excused: vLLM recomputes them).
@@ -121,9 +237,17 @@ class ConnectorWorker:
         verified: request id -> token ranges verified.
         resumed: request ids seen resumed after preemption, in order.
 
+    Raises:
+        ConnectorWorkerError: creating the connector or registering the KV
+            caches failed; the message starts with the known cause where
+            :mod:`tvc.error_hints` knows it.
+        tvc.contract.distributed.DistributedSetupError: vLLM's distributed
+            environment cannot be set up in this process.
+
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, device: str) -> None:
+        import torch.distributed as dist
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import (
             KVConnectorFactory,
@@ -132,14 +256,48 @@ class ConnectorWorker:
             KVConnectorRole,
         )
 
+        from tvc.contract.distributed import vllm_distributed
+
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
-        self.kv_caches = allocate_kv_caches(vllm_config, kv_cache_config, device)
+        self._exit = contextlib.ExitStack()
+        if not dist.is_initialized():
+            # vLLM's GPU worker initialises world + TP groups before it builds
+            # the connector (gpu_worker.py init_worker_distributed_environment)
+            self._exit.enter_context(vllm_distributed(
+                1, 0, backend="nccl" if device == "cuda" else "gloo",
+                vllm_config=vllm_config))
+        self.cross_layer_kv_cache = None
+        step = "creating the worker-role connector"
+        try:
+            with set_current_vllm_config(vllm_config):
+                self.connector = KVConnectorFactory.create_connector(
+                    vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+                step = "allocating the KV caches"
+                cross = backend = None
+                if getattr(self.connector, "prefer_cross_layer_blocks", False):
+                    kv, cross, backend = allocate_cross_layer_kv_caches(
+                        vllm_config, kv_cache_config, device)
+                if cross is not None:
+                    self.kv_caches = kv
+                    self.cross_layer_kv_cache = cross
+                    step = ("register_cross_layers_kv_cache(tensor of shape "
+                            f"{tuple(cross.shape)} on {device})")
+                    self.connector.register_cross_layers_kv_cache(cross, backend)
+                else:
+                    self.kv_caches = allocate_kv_caches(vllm_config,
+                                                        kv_cache_config, device)
+                    step = f"register_kv_caches(per-layer tensors on {device})"
+                    self.connector.register_kv_caches(self.kv_caches)
+        except (HarnessIncompatible, AssertionError):
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise ConnectorWorkerError(
+                f"{hint_prefix(exc)}The connector's worker side failed at {step}: "
+                f"{type(exc).__name__}: {exc}") from exc
         self.names = list(self.kv_caches)
-        with set_current_vllm_config(vllm_config):
-            self.connector = KVConnectorFactory.create_connector(
-                vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            self.connector.register_kv_caches(self.kv_caches)
         self.forward_context = forward_context(self.kv_caches)
         self.block_table: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -149,6 +307,32 @@ class ConnectorWorker:
         self.reported_loads: dict[str, int] = {}
         self.verified: dict[str, list[tuple[int, int]]] = {}
         self.resumed: list[str] = []
+        self.reported_failed_requests: set[str] = set()
+        self._expected_loads: dict[str, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        """Shut the connector down and leave vLLM's distributed environment.
+
+        Idempotent; called by the contract fixtures at teardown.
+        """
+        c = getattr(self, "connector", None)
+        self.connector = None
+        try:
+            if c is not None and hasattr(c, "shutdown"):
+                with contextlib.suppress(Exception):
+                    c.shutdown()
+        finally:
+            self._exit.close()
+
+    def expect_loads(self, loads: dict[str, tuple[int, int]]) -> None:
+        """Token ranges this step's synchronous external loads must fill.
+
+        Args:
+            loads: request id -> ``(start, end)`` token positions (from
+                :meth:`tvc.contract.driver.EngineDriver._sync_loads`).
+
+        """
+        self._expected_loads = dict(loads)
 
     def zero(self) -> None:
         """Zero every KV tensor (the load must then restore exactly the hit)."""
@@ -188,9 +372,23 @@ class ConnectorWorker:
             '' when bit-identical, else a sentence naming layer, token and block.
 
         """
+        bad = self.first_mismatch(req_id, start, end)
+        return bad[1] if bad else ""
+
+    def first_mismatch(self, req_id: str, start: int, end: int
+                       ) -> tuple[int, str] | None:
+        """The first token of [start, end) that does not hold the pattern.
+
+        Returns:
+            None when every layer's slots are bit-identical to the pattern,
+            else ``(token position, sentence naming layer, token and block)``;
+            the position is the smallest over all layers.
+
+        """
         import torch
 
         blocks, offs, pos, tok = self._token_slots(req_id, start, end)
+        worst: tuple[int, str] | None = None
         for li, name in enumerate(self.names):
             kv = self.kv_caches[name]
             dev = kv.device
@@ -205,15 +403,35 @@ class ConnectorWorker:
                 per_tok = eq.reshape(eq.shape[0], -1).all(dim=1) if kv.dim() == 4 \
                     else eq.transpose(0, 1).reshape(eq.shape[1], -1).all(dim=1)
                 bad = int((~per_tok).nonzero()[0])
+                if worst is not None and start + bad >= worst[0]:
+                    continue
                 zero = not bool(got[~per_tok].ne(0).any()) if kv.dim() == 4 \
                     else not bool(got[:, ~per_tok].ne(0).any())
-                return (f"layer {name}: token {start + bad} (block "
-                        f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
-                        f"hold the KV that was stored for it "
-                        f"({int((~per_tok).sum())} of {end - start} tokens differ"
-                        + ("; their slots are still zero: nothing was loaded into "
-                           "them)" if zero else ")"))
-        return ""
+                worst = (start + bad,
+                         f"layer {name}: token {start + bad} (block "
+                         f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
+                         f"hold the KV that was stored for it "
+                         f"({int((~per_tok).sum())} of {end - start} tokens differ"
+                         + ("; their slots are still zero: nothing was loaded "
+                            "into them)" if zero else ")"))
+        return worst
+
+    def poison(self, req_id: str, start: int, end: int) -> None:
+        """Fill tokens [start, end) of a request with :data:`POISON` in every layer.
+
+        Done before a synchronous load, so that a token the connector does not
+        load can never hold the stored pattern by chance (a reused block).
+        """
+        import torch
+
+        if end <= start:
+            return
+        blocks, offs, _pos = slots_for(self.block_table[req_id], start, end,
+                                       self.block_size)
+        for name in self.names:
+            kv = self.kv_caches[name]
+            b, o = blocks.to(kv.device), offs.to(kv.device)
+            set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), POISON))
 
     def find_shift(self, req_id: str, start: int, end: int, max_shift: int
                    ) -> int | None:
@@ -290,72 +508,143 @@ class ConnectorWorker:
         Returns:
             ``KVConnectorOutput`` filled as the model runner fills it.
 
+        Raises:
+            ConnectorWorkerError: a connector call raised; the message names the
+                call and, where :mod:`tvc.error_hints` knows it, the cause.
+
         """
         from vllm.config import set_current_vllm_config
         from vllm.v1.outputs import KVConnectorOutput
 
         work = self._track(so)
+        expected, self._expected_loads = self._expected_loads, {}
+        for rid, (lo, hi) in expected.items():
+            if rid in self.block_table:
+                self.poison(rid, lo, hi)
         c = self.connector
         out = KVConnectorOutput()
-        with set_current_vllm_config(self.vllm_config):
-            c.bind_connector_metadata(meta)
-            c.start_load_kv(self.forward_context)
-            for name in self.names:
-                c.wait_for_layer_load(name)
-            # Tokens the scheduler counts as computed but this step does not
-            # compute were loaded by the connector (or are vLLM's local prefix
-            # cache hit): verify them once this step's attention has written
-            # its tokens (a local hit may be a block another request of the
-            # same step computes).
-            for rid, start, end in work:
-                self.write_pattern(rid, start, end)
-            suspect: list[tuple[str, int, str]] = []
-            for rid, start, _end in work:
-                if rid in self.loaded:
-                    continue
-                self.loaded[rid] = start
-                if start > 0:
-                    self.verified.setdefault(rid, []).append((0, start))
-                    msg = self.verify_range(rid, 0, start)
-                    if msg:
-                        suspect.append((rid, start, msg))
-            for name in self.names:
-                c.save_kv_layer(name, self.kv_caches[name],
-                                self.forward_context.attn_metadata[name])
-            c.wait_for_save()
-            out.finished_sending, out.finished_recving = c.get_finished(
-                so.finished_req_ids)
-            if hasattr(c, "get_block_ids_with_load_errors"):
-                out.invalid_block_ids = c.get_block_ids_with_load_errors()
-            if hasattr(c, "build_connector_worker_meta"):
-                out.kv_connector_worker_meta = c.build_connector_worker_meta()
-            c.clear_connector_metadata()
-        self._judge_loads(suspect, set(out.invalid_block_ids or ()))
+        failed_reqs: set[str] | None = None
+        checks: list[tuple[str, int, tuple[int, str] | None]] = []
+        step = "bind_connector_metadata"
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                c.bind_connector_metadata(meta)
+                step = "start_load_kv"
+                c.start_load_kv(self.forward_context)
+                step = "wait_for_layer_load"
+                for name in self.names:
+                    c.wait_for_layer_load(name)
+                # Tokens the scheduler counts as computed but this step does not
+                # compute were loaded by the connector (or are vLLM's local
+                # prefix cache hit): verify them once this step's attention has
+                # written its tokens (a local hit may be a block another request
+                # of the same step computes).
+                for rid, start, end in work:
+                    self.write_pattern(rid, start, end)
+                for rid, start, _end in work:
+                    if rid in self.loaded:
+                        continue
+                    self.loaded[rid] = start
+                    if start > 0:
+                        self.verified.setdefault(rid, []).append((0, start))
+                        checks.append((rid, start,
+                                       self.first_mismatch(rid, 0, start)))
+                step = "save_kv_layer"
+                for name in self.names:
+                    c.save_kv_layer(name, self.kv_caches[name],
+                                    self.forward_context.attn_metadata[name])
+                step = "wait_for_save"
+                c.wait_for_save()
+                step = "get_finished"
+                out.finished_sending, out.finished_recving = c.get_finished(
+                    so.finished_req_ids)
+                step = "get_block_ids_with_load_errors"
+                if hasattr(c, "get_block_ids_with_load_errors"):
+                    out.invalid_block_ids = c.get_block_ids_with_load_errors()
+                step = "get_request_ids_with_load_errors"
+                if hasattr(c, "get_request_ids_with_load_errors"):
+                    failed_reqs = set(c.get_request_ids_with_load_errors() or ())
+                step = "build_connector_worker_meta"
+                if hasattr(c, "build_connector_worker_meta"):
+                    out.kv_connector_worker_meta = c.build_connector_worker_meta()
+                step = "clear_connector_metadata"
+                c.clear_connector_metadata()
+        except HarnessIncompatible:
+            raise
+        except Exception as exc:
+            raise ConnectorWorkerError(
+                f"{hint_prefix(exc)}The connector's worker side failed in {step}: "
+                f"{type(exc).__name__}: {exc}") from exc
+        self._judge_loads(checks, set(out.invalid_block_ids or ()), expected,
+                          failed_reqs)
         return out
 
-    def _judge_loads(self, suspect: list[tuple[str, int, str]],
-                     invalid: set[int]) -> None:
-        """Record load errors, excusing blocks the connector reported as failed.
+    def _judge_loads(self, checks: list[tuple[str, int, tuple[int, str] | None]],
+                     invalid: set[int], expected: dict[str, tuple[int, int]],
+                     failed_reqs: set[str] | None) -> None:
+        """Record wrong loads and wrong load-error reports of one step.
 
-        A mismatch at or after the first block the connector reported through
-        ``get_block_ids_with_load_errors`` in this pass is a reported failure
-        (vLLM recomputes or fails the request); one before it is a load error.
+        vLLM recomputes a request from its first block reported through
+        ``get_block_ids_with_load_errors`` (``kv_load_failure_policy``), so:
+
+        * a token before the first reported block (or in a request with none)
+          that does not hold the stored KV is a load error;
+        * where the load was synchronous (its slots were poisoned first), a first
+          reported block that holds exactly the stored KV is a false report
+          (vLLM recomputes KV the connector did load);
+        * ``get_request_ids_with_load_errors()`` (a hook some connectors add;
+          vLLM 0.28 never calls it) must name exactly the requests whose loads
+          failed or had blocks reported.
+
+        Args:
+            checks: (request id, tokens counted computed at its first compute,
+                first mismatch in [0, that) or None) per newly computed request.
+            invalid: block ids the connector reported in this step.
+            expected: synchronous loads of this step (request -> token range).
+            failed_reqs: what ``get_request_ids_with_load_errors()`` returned, or
+                None when the connector has no such method.
+
         """
+        b = self.block_size
         if invalid:
             self.reported_invalid_blocks |= invalid
-        for rid, start, msg in suspect:
+        failed: set[str] = set()
+        for rid, start, bad in checks:
             table = self.block_table.get(rid, [])
-            first = next((i for i, b in enumerate(table[: -(-start // self.block_size)])
-                          if b in invalid), None)
-            if first is None:
-                self.load_errors.append(f"request {rid}: {msg}")
+            first_rep = next((i for i, blk in enumerate(table[: -(-start // b)])
+                              if blk in invalid), None)
+            first_bad = None if bad is None else bad[0] // b
+            if first_rep is None:
+                if bad is not None:
+                    self.load_errors.append(f"request {rid}: {bad[1]}")
+                    failed.add(rid)
                 continue
-            self.reported_loads[rid] = first * self.block_size
-            cut = min(start, first * self.block_size)
-            msg = self.verify_range(rid, 0, cut) if cut else ""
-            if msg:
-                self.load_errors.append(f"request {rid}: {msg} (before the first "
-                                        "block reported as failed)")
+            failed.add(rid)
+            self.reported_loads[rid] = first_rep * b
+            if first_bad is not None and first_bad < first_rep:
+                self.load_errors.append(f"request {rid}: {bad[1]} (before the "
+                                        "first block reported as failed)")
+            elif (first_bad is None or first_bad > first_rep) and rid in expected \
+                    and first_rep * b >= expected[rid][0]:
+                self.load_errors.append(
+                    f"request {rid}: block {table[first_rep]} (tokens "
+                    f"[{first_rep * b}, {(first_rep + 1) * b})) was reported through "
+                    "get_block_ids_with_load_errors() but holds exactly the KV that "
+                    "was stored for it: a false load-error report (vLLM recomputes "
+                    "from that block although the load was bit-identical); the "
+                    "error set must name the blocks that actually failed")
+        if failed_reqs is None:
+            return
+        for rid in sorted(failed_reqs - failed):
+            self.load_errors.append(
+                f"request {rid}: get_request_ids_with_load_errors() names it, but "
+                "its load in this step was bit-identical and no block of it was "
+                "reported as failed (false report: its output would be discarded)")
+        for rid in sorted(failed - failed_reqs):
+            self.load_errors.append(
+                f"request {rid}: its load failed (a block reported or not holding "
+                "the stored KV) but get_request_ids_with_load_errors() does not "
+                "name it")
 
 
 class JobAckWorker:
@@ -368,6 +657,9 @@ class JobAckWorker:
     ``finished_recving`` for the requests whose load jobs completed. It moves no
     bytes: scheduler-side tests use it, the worker-side tests use the real worker.
     """
+
+    #: recorded as the ``worker`` property of tests that ran with it
+    standin_label = "tvc.contract.worker:JobAckWorker (job protocol)"
 
     def __init__(self, meta_module: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (

@@ -1,0 +1,94 @@
+"""Plain-language causes for connector error messages the suite has seen.
+
+A connector's worker or a vLLM server dies with a message that names an internal
+step (often not in English). :func:`explain` maps the messages whose cause is
+known to one sentence saying what is wrong and what to do; the worker harness
+(:class:`tvc.contract.worker.ConnectorWorker`) and the server owner
+(:mod:`tvc.vllm_server`) put that sentence in front of the original message.
+
+Each entry cites where the message comes from. The Tutti entries come from the
+public connector (xPU-IO/Tutti ``integration/vllm-connector`` at 33a8fb8) as
+rebuilt and run on CPU; file:line are upstream's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+__all__ = ["KNOWN_ERRORS", "explain", "hint_prefix"]
+
+# (regex searched in the message or log, the cause in one sentence)
+KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # engine/core.py:1271-1275 (bind) after stores/memory.py:88 memoryview(buffer)
+    (re.compile(r"staging 环窗被 store 拒收"),
+     "the connector's memory store cannot serve a CUDA worker (staging buffer "
+     "refused): Tutti's MemoryKVStore registers its staging buffer through "
+     "memoryview(), which a CUDA tensor cannot give (stores/memory.py:88, "
+     "engine/core.py:1271-1275); use a store that registers device memory "
+     "(profile tutti-public-nvme) or fix the memory store upstream"),
+    # adapter/worker.py:1569-1572 staged fallback on a non-CUDA KV pool
+    (re.compile(r"pin_memory=True requires a CUDA or other accelerator backend"),
+     "the connector's worker allocates pinned host memory, which needs a CUDA "
+     "torch: its worker side cannot run on this CPU-only box (the [cuda] variant "
+     "runs it on a GPU host)"),
+    # adapter/worker.py:956-960 after a failed get_tp_group() (worker.py:71-73)
+    (re.compile(r"TP load failure collective poisoned the process group"),
+     "the connector's worker needs vLLM's tensor-parallel group "
+     "(init_distributed_environment + initialize_model_parallel) in the worker "
+     "process; it was missing when a load ran"),
+    # tutti_kv_transfer/__init__.py: from . import _native (CUDA extension)
+    (re.compile(r"cannot import name '_native' from partially initialized module "
+                r"'tutti_kv_transfer'|No module named 'tutti_kv_transfer"),
+     "Tutti's CUDA extension tutti_kv_transfer._native is not built or not on "
+     "PYTHONPATH: build transfer/ on the GPU host (pip install "
+     "--no-build-isolation --no-deps --target DIR .) and add DIR to PYTHONPATH"),
+    # adapter/connector.py:72-76 (_resolve_geometry)
+    (re.compile(r"extra_config 缺少正整数引擎键 '(\w+)'"),
+     "the connector's kv_connector_extra_config lacks a positive integer "
+     "engine key: the public Tutti connector needs chunk_tokens and "
+     "max_chunks_per_wave (and store.options.num_chunks); use profile "
+     "tutti-public or add them"),
+    # stores/tutti_nvme/store.py:263-267 (direct admission)
+    (re.compile(r"K/V axis must be shape\[3\] == 2"),
+     "the connector takes the cross-layer KV pool's shape[3] as the K/V axis, "
+     "but in vLLM's FlashAttention NHD layout shape[3] is the KV-head count per "
+     "rank: only models with exactly 2 KV heads per rank are accepted"),
+    # stores/tutti_nvme/store.py:2013
+    (re.compile(r"runtime=None 需要 TUTTI_NVME_PRESET"),
+     "the tutti_nvme store needs TUTTI_NVME_PRESET (inline yaml/json or a file "
+     "path) in the worker's environment"),
+    # stores/tutti_nvme/store.py (_build_runtime)
+    (re.compile(r"tutti_runtime 绑定不可用"),
+     "Tutti's tutti_runtime binding is not importable: build bindings/python "
+     "against the Tutti C++ tree and put it on PYTHONPATH"),
+)
+
+
+def explain(text: str | BaseException, table: Iterable[tuple[re.Pattern[str], str]]
+            = KNOWN_ERRORS) -> list[str]:
+    """Known causes found in an error message or a log.
+
+    Args:
+        text: the message, a log text, or an exception (its ``str`` and the
+            messages of its ``__cause__`` / ``__context__`` chain).
+        table: (regex, cause) pairs; default :data:`KNOWN_ERRORS`.
+
+    Returns:
+        the causes whose regex occurs, in table order, without repeats.
+
+    """
+    if isinstance(text, BaseException):
+        parts, exc, seen = [], text, 0
+        while exc is not None and seen < 8:
+            parts.append(f"{type(exc).__name__}: {exc}")
+            exc = exc.__cause__ or exc.__context__
+            seen += 1
+        text = "\n".join(parts)
+    return [cause for rx, cause in table if rx.search(text)]
+
+
+def hint_prefix(text: str | BaseException) -> str:
+    """``"Known cause: <cause>. "`` for the first known cause, else ``""``."""
+    causes = explain(text)
+    return f"Known cause: {causes[0]}. " if causes else ""

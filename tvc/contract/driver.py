@@ -16,6 +16,13 @@ from tvc.contract.invariants import (
     assert_metadata_survives_serialization,
 )
 from tvc.contract.serialization import round_trip
+from tvc.contract.standins import (
+    BUILTIN_STANDIN,
+    WorkerReportError,
+    WorkerReportMissing,
+    missing_report_message,
+    publishes_worker_meta,
+)
 from tvc.contract.worker import JobAckWorker, unwrap_metadata
 
 
@@ -53,11 +60,21 @@ class EngineDriver:
             answer (parallel to :attr:`matched`).
         on_match: optional ``callable(request, local, matched, is_async)`` run
             on every answer, after the built-in bounds (a scenario's own check).
+        worker_report: the profile's ``connector.worker_report`` ("" or
+            ``"standin"`` when no declared stand-in was built).
+        no_worker_reason: why no real worker runs (for the error below).
 
     An exception other than ``AssertionError`` raised inside a step is re-raised
     as :class:`EngineStepError` naming the step and the stage (schedule, worker,
     update_from_output): a connector reports failures through vLLM's
-    interface, never by raising out of the engine step.
+    interface, never by raising out of the engine step. The rig's own errors
+    pass through unchanged:
+
+    Raises:
+        WorkerReportMissing: (from :meth:`step`) the connector publishes
+            residency through worker metadata and neither a real worker nor a
+            stand-in reports it (see :mod:`tvc.contract.standins`).
+        WorkerReportError: a declared stand-in failed.
 
     """
 
@@ -76,6 +93,8 @@ class EngineDriver:
     num_steps: int = 0
     match_steps: dict[str, list[int]] = field(default_factory=dict)
     on_match: Any = None
+    worker_report: str = ""
+    no_worker_reason: str = ""
 
     def __post_init__(self) -> None:
         self._wrap_connector()
@@ -108,8 +127,8 @@ class EngineDriver:
             mro = self._worker_step(so)
             stage = "update_from_output (scheduler-side connector)"
             self.scheduler.update_from_output(so, mro)
-        except AssertionError:
-            raise
+        except (AssertionError, WorkerReportMissing, WorkerReportError):
+            raise  # a check's failure, or the rig's own set-up error
         except Exception as exc:
             raise EngineStepError(
                 f"engine step {self.num_steps} ({stage}) raised "
@@ -131,9 +150,10 @@ class EngineDriver:
         if meta is not None and self.serialize:
             assert_metadata_survives_serialization(meta)
             meta = round_trip(meta)
-        if self.worker is None and meta is not None and JobAckWorker.applies_to(
-                meta):
-            self.worker = JobAckWorker(type(unwrap_metadata(meta)).__module__)
+        if self.worker is None and meta is not None:
+            self.worker = self._fallback_worker(meta)
+        if hasattr(self.worker, "expect_loads"):
+            self.worker.expect_loads(self._sync_loads(so))
         kv_out = self.worker.execute(so, meta) if (
             self.worker is not None and meta is not None) else None
         if kv_out is not None and kv_out.finished_recving:
@@ -148,6 +168,52 @@ class EngineDriver:
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([SAMPLED_TOKEN_ID] if done_prefill else [])
         return compat.model_runner_output(req_ids, sampled, kv_out)
+
+    def _fallback_worker(self, meta: Any) -> Any:
+        """The worker for a rig built without one, chosen from the first metadata.
+
+        The built-in job-protocol stand-in where the metadata speaks it; None for
+        a connector that needs no worker report (its scheduler side reads the
+        store itself, e.g. ExampleConnector).
+
+        Raises:
+            WorkerReportMissing: the connector publishes residency through
+                worker metadata and nothing here can report it.
+
+        """
+        if JobAckWorker.applies_to(meta):
+            return JobAckWorker(type(unwrap_metadata(meta)).__module__)
+        if publishes_worker_meta(self.connector):
+            why = self.no_worker_reason
+            if self.worker_report == BUILTIN_STANDIN:
+                why = (f"connector.worker_report = {BUILTIN_STANDIN!r} names the "
+                       "built-in job-protocol stand-in, but this metadata "
+                       f"({type(unwrap_metadata(meta)).__name__}) has no "
+                       "load_jobs/store_jobs; " + why)
+            raise WorkerReportMissing(missing_report_message(self.connector, why))
+        return None
+
+    def _sync_loads(self, so: Any) -> dict[str, tuple[int, int]]:
+        """Synchronous external loads of this step's new requests.
+
+        Returns:
+            request id -> ``(start, end)`` token range the connector must load
+            in this step (``end - start`` = its last definite answer for the
+            request, ``end`` = ``num_computed_tokens`` when scheduled); only
+            answers with ``load_kv_async=False`` and more than 0 tokens.
+
+        """
+        out: dict[str, tuple[int, int]] = {}
+        for nr in so.scheduled_new_reqs:
+            answers = [a for a in self.matched.get(nr.req_id, ())
+                       if a[1] is not None]
+            if not answers:
+                continue
+            _local, n, is_async = answers[-1]
+            if n and not is_async and nr.num_computed_tokens >= n:
+                out[nr.req_id] = (nr.num_computed_tokens - int(n),
+                                  nr.num_computed_tokens)
+        return out
 
     def _wrap_connector(self) -> None:
         """Record what the scheduler-side connector answers vLLM.

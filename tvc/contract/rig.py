@@ -18,6 +18,7 @@ from tvc.contract.builders import (
     make_vllm_config,
 )
 from tvc.contract.driver import EngineDriver
+from tvc.contract.standins import BUILTIN_STANDIN, load_worker_report
 from tvc.contract.worker import ConnectorWorker
 from tvc.profile import Profile
 
@@ -61,22 +62,40 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         scratch: suite-owned directory.
         device: where the worker's KV tensors live (``cpu`` / ``cuda``).
         real_worker: drive the connector's real worker side; default: when the
-            profile's ``connector.worker_devices`` lists ``device``. Otherwise a
-            :class:`JobAckWorker` is used where the metadata speaks its protocol.
+            profile's ``connector.worker_devices`` lists ``device``. Otherwise
+            the profile's ``connector.worker_report`` stand-in
+            (``module:function``, :func:`tvc.contract.standins.load_worker_report`)
+            runs, or the driver picks the built-in :class:`JobAckWorker` where the
+            metadata speaks its protocol, and refuses to drive a connector that
+            publishes residency through worker metadata with neither
+            (:class:`tvc.contract.standins.WorkerReportMissing`).
         num_blocks: KV blocks in the pool.
         **config_kw: passed to :func:`make_vllm_config`.
 
     Returns:
         the :class:`Rig`.
 
+    Raises:
+        tvc.contract.standins.WorkerReportError: the declared stand-in cannot be
+            built.
+
     """
     vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
     kcc = make_kv_cache_config(vc, num_blocks)
     sched = make_scheduler(vc, kcc)
+    devices = profile["connector"]["worker_devices"]
     if real_worker is None:
-        real_worker = device in profile["connector"]["worker_devices"]
-    worker = ConnectorWorker(vc, kcc, device) if real_worker else None
-    return Rig(vc, kcc, sched, worker, EngineDriver(sched, worker=worker))
+        real_worker = device in devices
+    spec = profile["connector"]["worker_report"]
+    worker: Any = None
+    if real_worker:
+        worker = ConnectorWorker(vc, kcc, device)
+    elif spec and spec != BUILTIN_STANDIN:
+        worker = load_worker_report(spec, vc, kcc, sched.connector)
+    why = (f"rig device {device!r}, connector.worker_devices = {devices}" if
+           device not in devices else "this test drives the scheduler side only")
+    return Rig(vc, kcc, sched, worker, EngineDriver(
+        sched, worker=worker, worker_report=spec, no_worker_reason=why))
 
 
 def adapter_missing_reason(profile: Profile) -> str:

@@ -1,0 +1,318 @@
+"""Worker reports for the contract rig where a connector's worker side cannot run.
+
+Some connectors keep their scheduler-side index in memory and learn what was
+stored only from their workers: the worker returns a ``KVConnectorWorkerMetadata``
+from ``build_connector_worker_meta()``, vLLM's model runner puts it into
+``KVConnectorOutput.kv_connector_worker_meta``
+(``vllm/v1/worker/kv_connector_model_runner_mixin.py``, 0.26-0.33) and the
+scheduler hands it to ``update_connector_output()``. Driven without a worker, such
+a connector never sees a stored chunk, so every hit is 0 and a hit-rule test
+would "pass" on nothing.
+
+The rig therefore needs, for such a connector, one of:
+
+* the connector's real worker side (:class:`tvc.contract.worker.ConnectorWorker`),
+  where the profile's ``connector.worker_devices`` lists the rig's device;
+* the suite's built-in job-protocol stand-in
+  (:class:`tvc.contract.worker.JobAckWorker`), where the metadata speaks it
+  (``connector.worker_report = "standin"`` or empty);
+* a stand-in the profile declares, ``connector.worker_report =
+  "module:function"``: ``function(vllm_config, kv_cache_config, connector)``
+  returns a callable ``report(scheduler_output, metadata)`` that returns the
+  ``KVConnectorOutput`` (or just the worker metadata, or None) reporting exactly
+  what the scheduler planned (:class:`HookWorker` runs it).
+
+With none of these the driver raises :class:`WorkerReportMissing` naming the
+profile key, instead of letting the tests pass with 0 hits. Every test that ran
+with a stand-in records ``worker = "stand-in: <hook>"`` (JUnit property and
+``summary.json``), so a reader sees that no bytes moved.
+
+:func:`tutti_worker_report` is the stand-in for the public Tutti connector
+(``TuttiConnectorV1``, xPU-IO/Tutti ``integration/vllm-connector`` at 33a8fb8),
+written from its observable contract; it imports Tutti's own classes from the
+user's checkout at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "WORKER_REPORT_KEY",
+    "HookWorker",
+    "WorkerReportError",
+    "WorkerReportMissing",
+    "innermost_connector",
+    "load_worker_report",
+    "publishes_worker_meta",
+    "tutti_worker_report",
+]
+
+#: the profile key that declares a stand-in (tvc/profile.py SCHEMA)
+WORKER_REPORT_KEY = "connector.worker_report"
+#: ``connector.worker_report`` value naming the built-in job-protocol stand-in
+BUILTIN_STANDIN = "standin"
+
+
+class WorkerReportError(RuntimeError):
+    """A declared ``connector.worker_report`` cannot be loaded or misbehaves."""
+
+
+class WorkerReportMissing(RuntimeError):
+    """The connector needs a worker report that the rig cannot produce.
+
+    Raised by :class:`tvc.contract.driver.EngineDriver` at the first step with
+    connector metadata, so that no test passes with 0 hits.
+    """
+
+
+def innermost_connector(connector: Any) -> Any:
+    """The connector under test inside suite wrappers (``tvc.faults``' ``.inner``).
+
+    Args:
+        connector: a connector instance (scheduler or worker role).
+
+    Returns:
+        the innermost connector: follows ``.inner`` while the object is a
+        :class:`tvc.faults.FaultInjectingConnector`.
+
+    """
+    from tvc.faults import FaultInjectingConnector
+
+    seen = 0
+    while isinstance(connector, FaultInjectingConnector) and seen < 8:
+        connector = connector.inner
+        seen += 1
+    return connector
+
+
+def publishes_worker_meta(connector: Any) -> bool:
+    """Whether a connector publishes state from its workers through worker metadata.
+
+    Feature detection on the class: it overrides
+    ``KVConnectorBase_V1.build_connector_worker_meta`` (the base returns None,
+    ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, 0.26-0.33).
+
+    Args:
+        connector: a connector instance; wrappers are looked through
+            (:func:`innermost_connector`).
+
+    Returns:
+        True when its worker side returns worker metadata to the scheduler.
+
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if connector is None:
+        return False
+    cls = type(innermost_connector(connector))
+    base = getattr(KVConnectorBase_V1, "build_connector_worker_meta", None)
+    own = getattr(cls, "build_connector_worker_meta", None)
+    return base is not None and own is not None and own is not base
+
+
+def missing_report_message(connector: Any, why_no_worker: str) -> str:
+    """The one-paragraph error for a connector left without a worker report.
+
+    Args:
+        connector: the scheduler-side connector.
+        why_no_worker: why the rig runs no real worker (device, worker_devices).
+
+    Returns:
+        a message naming the connector, the residency path and the profile key.
+
+    """
+    name = type(innermost_connector(connector)).__name__
+    return (
+        f"{name} publishes residency through worker metadata "
+        "(worker build_connector_worker_meta() -> KVConnectorOutput."
+        "kv_connector_worker_meta -> scheduler update_connector_output()), but "
+        f"this rig runs no worker for it ({why_no_worker or 'no worker'}) and the "
+        f"profile declares no stand-in: set [connector] worker_report = "
+        "\"module:function\" (a function(vllm_config, kv_cache_config, connector) "
+        "returning report(scheduler_output, metadata) -> KVConnectorOutput that "
+        "reports exactly what the scheduler planned; see tvc/contract/standins.py), "
+        f"or run where {WORKER_REPORT_KEY.split('.')[0]}.worker_devices lists the "
+        "device. Without a worker report the scheduler never learns what was "
+        "stored and every hit would be 0, so the contract cannot be checked")
+
+
+class HookWorker:
+    """Runs a profile-declared stand-in in place of the connector's worker side.
+
+    Moves no bytes: ``loaded`` and ``load_errors`` stay empty, so the
+    bit-identity checks have nothing to verify (the worker-side round trip is the
+    real worker's test, on a device it runs on).
+
+    Attributes:
+        hook: the ``module:function`` the profile declared.
+        standin_label: ``hook``, recorded as the test's ``worker`` property.
+        steps: steps run; ``reports``: steps whose report was not empty.
+
+    """
+
+    def __init__(self, hook: str, report: Callable[[Any, Any], Any]) -> None:
+        self.hook = hook
+        self.standin_label = hook
+        self.report = report
+        self.loaded: dict[str, int] = {}
+        self.load_errors: list[str] = []
+        self.reported_invalid_blocks: set[int] = set()
+        self.steps = 0
+        self.reports = 0
+
+    def execute(self, so: Any, meta: Any) -> Any:
+        """Call the stand-in with this step's scheduler output and metadata.
+
+        The metadata is unwrapped from a fault wrapper's
+        (:func:`tvc.contract.worker.unwrap_metadata`).
+
+        Returns:
+            ``vllm.v1.outputs.KVConnectorOutput``.
+
+        Raises:
+            WorkerReportError: the stand-in raised or returned another type.
+
+        """
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from tvc.contract.worker import unwrap_metadata
+
+        self.steps += 1
+        try:
+            ret = self.report(so, unwrap_metadata(meta))
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise WorkerReportError(
+                f"{WORKER_REPORT_KEY} = {self.hook!r}: the stand-in raised "
+                f"{type(exc).__name__}: {exc}") from exc
+        if ret is None:
+            return KVConnectorOutput()
+        if isinstance(ret, KVConnectorWorkerMetadata):
+            self.reports += 1
+            return KVConnectorOutput(kv_connector_worker_meta=ret)
+        if isinstance(ret, KVConnectorOutput):
+            self.reports += 1
+            return ret
+        raise WorkerReportError(
+            f"{WORKER_REPORT_KEY} = {self.hook!r}: the stand-in returned "
+            f"{type(ret).__name__}; expected KVConnectorOutput, a "
+            "KVConnectorWorkerMetadata or None")
+
+
+def load_worker_report(spec: str, vllm_config: Any, kv_cache_config: Any,
+                       connector: Any) -> HookWorker:
+    """Build the stand-in a profile declares as ``connector.worker_report``.
+
+    Args:
+        spec: ``"module:function"``.
+        vllm_config: the rig's ``VllmConfig``.
+        kv_cache_config: the rig's ``KVCacheConfig``.
+        connector: the scheduler-side connector (wrappers included).
+
+    Returns:
+        a :class:`HookWorker` running ``function(vllm_config, kv_cache_config,
+        connector)``'s callable.
+
+    Raises:
+        WorkerReportError: malformed spec, module or function not found, or the
+            factory raised or returned something not callable; the message names
+            the profile key and the spec.
+
+    """
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise WorkerReportError(
+            f"{WORKER_REPORT_KEY} = {spec!r}: expected \"module:function\" or "
+            f"\"{BUILTIN_STANDIN}\"")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: cannot import "
+                                f"{mod_name}: {exc}") from None
+    factory = getattr(module, fn_name, None)
+    if not callable(factory):
+        raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: module {mod_name} "
+                                f"has no function {fn_name}")
+    try:
+        report = factory(vllm_config, kv_cache_config, innermost_connector(
+            connector))
+    except WorkerReportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - named below
+        raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: building the "
+                                f"stand-in failed: {type(exc).__name__}: {exc}"
+                                ) from exc
+    if not callable(report):
+        raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: the factory "
+                                f"returned {type(report).__name__}, not a callable")
+    return HookWorker(spec, report)
+
+
+# ----------------------------------------------------------------- Tutti (public)
+def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
+                        ) -> Callable[[Any, Any], Any]:
+    """Stand-in worker report for the public ``TuttiConnectorV1`` (memory index).
+
+    What Tutti's worker reports (xPU-IO/Tutti 33a8fb8, observed through its
+    scheduler on CPU): after ``wait_for_save`` it returns
+    ``adapter.worker_meta.TuttiWorkerMetadata(committed={chunk_key: ranks},
+    failed=set())`` for the chunks the scheduler reserved for it
+    (``_ReqMeta.save_chunk_start`` / ``save_chunk_count``, non-empty
+    ``save_generations`` = newly reserved). Chunk keys chain a 16-byte blake2b
+    over ``chunk_tokens`` token ids from the key namespace
+    (``index.chunk_index.ChunkIndex.hash_keys``; namespace from
+    ``adapter.connector._key_namespace`` over the geometry
+    ``_resolve_geometry`` derives from the ``KVCacheConfig``). A chunk becomes
+    resident once the summed count reaches the TP size, so this stand-in reports
+    ``tensor_parallel_size`` per key: the aggregate of every rank succeeding.
+
+    The classes are imported from the user's Tutti checkout (``adapter``,
+    ``index`` on ``PYTHONPATH``); nothing of Tutti is copied here.
+
+    Args:
+        vllm_config: the rig's config (its ``kv_connector_extra_config``).
+        kv_cache_config: the rig's ``KVCacheConfig``.
+        connector: the scheduler-side connector (unused: keys are recomputed
+            independently, as the worker does).
+
+    Returns:
+        ``report(scheduler_output, metadata) -> TuttiWorkerMetadata | None``.
+
+    Raises:
+        WorkerReportError: Tutti's packages are not importable.
+
+    """
+    del connector
+    try:
+        from adapter.connector import _key_namespace, _resolve_geometry
+        from adapter.worker_meta import TuttiWorkerMetadata
+        from index.chunk_index import ChunkIndex
+    except ImportError as exc:
+        raise WorkerReportError(
+            "the Tutti stand-in imports adapter.connector, adapter.worker_meta and "
+            "index.chunk_index from the Tutti checkout: put its integration/"
+            f"vllm-connector folder (TUTTI_SRC) on PYTHONPATH ({exc})") from None
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    geometry = _resolve_geometry(extra, kv_cache_config)
+    hasher = ChunkIndex(1, geometry["chunk_tokens"], namespace=_key_namespace(
+        vllm_config, geometry).encode())
+    ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+    def report(scheduler_output: Any, metadata: Any) -> Any:
+        del scheduler_output
+        committed: dict[bytes, int] = {}
+        for req in getattr(metadata, "requests", ()):
+            count = req.save_chunk_count
+            if count <= 0 or not req.save_generations:
+                continue  # nothing newly reserved: the real worker saves nothing
+            keys, _ = hasher.hash_keys(req.token_ids)
+            for key in keys[req.save_chunk_start:req.save_chunk_start + count]:
+                committed[key] = ranks
+        return TuttiWorkerMetadata(committed=committed) if committed else None
+
+    return report

@@ -4,9 +4,10 @@ vLLM's factory creates the connector; the failure message names what is wrong.
 
 Required keys come from the profile (``connector.required_extra_config_keys``; a
 dotted key such as ``store.options.num_chunks`` names a nested table entry);
-type and sign checks apply to the keys it lists in ``connector.size_keys`` (byte
-sizes the connector must validate; vLLM's own OffloadingConnector checks only the
-presence of ``cpu_bytes_to_use``, so its profile lists none).
+type and sign checks apply to the keys it lists in ``connector.size_keys`` (sizes
+and counts the connector must validate, dotted likewise; vLLM's own
+OffloadingConnector checks only the presence of ``cpu_bytes_to_use``, so its profile
+lists none).
 """
 
 from __future__ import annotations
@@ -69,12 +70,16 @@ def test_bad_size_value_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key, bad) -> None:
     _need(key)
     ktc = copy.deepcopy(contract_profile.kv_transfer_config())
-    ktc["kv_connector_extra_config"][key] = bad
+    node = ktc["kv_connector_extra_config"]
+    *parents, leaf = key.split(".")  # dotted: a nested table entry
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = bad
     err = _create(contract_profile, contract_scratch, ktc)
     assert err, (f"the connector was created with {key}={bad!r}: it accepted an "
                  "invalid size instead of failing at creation")
-    assert key in err, (f"creating the connector with {key}={bad!r} failed, but "
-                        f"the message does not name the key: {err[:300]}")
+    assert leaf in err, (f"creating the connector with {key}={bad!r} failed, but "
+                         f"the message does not name the key: {err[:300]}")
 
 
 def test_wrong_class_name_fails_naming_it(contract_profile, contract_scratch) -> None:

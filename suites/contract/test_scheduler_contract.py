@@ -21,8 +21,15 @@ BLOCK_SIZES = (16, 32)  # issue 3 matrix
 PROMPT_BLOCKS = (1, 4)  # k in {k*B - 1, k*B, k*B + 1}
 
 
-def _lengths(block_size: int) -> list[int]:
-    return [k * block_size + d for k in PROMPT_BLOCKS for d in (-1, 0, 1)]
+def _lengths(block_size: int, unit: int | None = None) -> list[int]:
+    """Prompt lengths k*U-1, k*U, k*U+1 for U = B and U = the storage unit G.
+
+    G is ``connector.granularity`` (tokens per stored unit: B for per-block
+    stores, e.g. ``chunk_tokens`` for chunked ones), default B.
+    """
+    units = {block_size, unit or block_size}
+    return sorted({k * u + d for u in units for k in PROMPT_BLOCKS
+                   for d in (-1, 0, 1)})
 
 
 def _store_then_replay(rig: C.Rig, num_tokens: int, **kw) -> tuple:
@@ -59,7 +66,15 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
                     "hit_rule_source to check hits exactly")
     rig = rig_factory(block_size=block_size)
     seen = {}
-    for n in _lengths(block_size):
+    lengths = _lengths(block_size, contract_profile.granularity_tokens(block_size))
+    expected = {n: contract_profile.expected_hit_tokens(n, block_size)
+                for n in lengths}
+    assert any(expected.values()), (
+        f"the profile's hit_rule {rule!r} expects 0 tokens for every prompt length "
+        f"tried ({lengths}, from connector.granularity at B={block_size}): this "
+        "test would pass without a single hit. Fix connector.hit_rule or "
+        "connector.granularity")
+    for n in lengths:
         _, second = _store_then_replay(rig, n)
         local, matched, _ = C.external_hit(rig.driver, second)
         seen[n] = matched

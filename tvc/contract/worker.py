@@ -188,6 +188,45 @@ def allocate_cross_layer_kv_caches(vllm_config: Any, kv_cache_config: Any,
             attn_backend)
 
 
+# vLLM's distributed state for the worker harnesses of this process: entered by
+# the first ConnectorWorker (world size 1), shared by later ones, left when the
+# last one closes. Module-owned, so a worker that is garbage-collected unclosed
+# never tears the groups down under another one.
+_DIST: dict[str, Any] = {"stack": None, "users": 0}
+
+
+def _acquire_distributed(vllm_config: Any, device: str) -> bool:
+    """Make sure vLLM's world and TP groups exist; True when this call holds them.
+
+    Returns:
+        False when ``torch.distributed`` was already initialised by someone
+        else (e.g. a tensor-parallel harness): that owner keeps it.
+
+    """
+    import torch.distributed as dist
+
+    from tvc.contract.distributed import vllm_distributed
+
+    if _DIST["stack"] is None:
+        if dist.is_initialized():
+            return False
+        stack = contextlib.ExitStack()
+        stack.enter_context(vllm_distributed(
+            1, 0, backend="nccl" if device == "cuda" else "gloo",
+            vllm_config=vllm_config))
+        _DIST["stack"] = stack
+    _DIST["users"] += 1
+    return True
+
+
+def _release_distributed() -> None:
+    """Drop one hold; the last one tears vLLM's groups down."""
+    _DIST["users"] -= 1
+    if _DIST["users"] <= 0 and _DIST["stack"] is not None:
+        stack, _DIST["stack"], _DIST["users"] = _DIST["stack"], None, 0
+        stack.close()
+
+
 class ConnectorWorkerError(RuntimeError):
     """The connector's worker side failed in the harness; the message says where."""
 
@@ -247,7 +286,6 @@ class ConnectorWorker:
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, device: str) -> None:
-        import torch.distributed as dist
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import (
             KVConnectorFactory,
@@ -256,17 +294,11 @@ class ConnectorWorker:
             KVConnectorRole,
         )
 
-        from tvc.contract.distributed import vllm_distributed
-
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
-        self._exit = contextlib.ExitStack()
-        if not dist.is_initialized():
-            # vLLM's GPU worker initialises world + TP groups before it builds
-            # the connector (gpu_worker.py init_worker_distributed_environment)
-            self._exit.enter_context(vllm_distributed(
-                1, 0, backend="nccl" if device == "cuda" else "gloo",
-                vllm_config=vllm_config))
+        # vLLM's GPU worker initialises world + TP groups before it builds the
+        # connector (gpu_worker.py init_worker_distributed_environment)
+        self._dist_held = _acquire_distributed(vllm_config, device)
         self.cross_layer_kv_cache = None
         step = "creating the worker-role connector"
         try:
@@ -322,7 +354,9 @@ class ConnectorWorker:
                 with contextlib.suppress(Exception):
                     c.shutdown()
         finally:
-            self._exit.close()
+            if self._dist_held:
+                self._dist_held = False
+                _release_distributed()
 
     def expect_loads(self, loads: dict[str, tuple[int, int]]) -> None:
         """Token ranges this step's synchronous external loads must fill.

@@ -155,3 +155,44 @@ def test_tutti_public_nvme_hw_nvme_tests_skip_naming_device_nodes(tmp_path) -> N
     assert tests and all(t["outcome"] == "skipped" for t in tests), run.tail()
     for t in tests:
         assert "no device node matches /dev/snvme*" in t["message"], t["message"]
+
+
+# ------------------------------------------------- the public Tutti connector
+def _tutti_src() -> Path:
+    src = os.environ.get("TUTTI_SRC", "")
+    if not src or not (Path(src) / "adapter" / "connector.py").is_file():
+        pytest.skip("set TUTTI_SRC to the public Tutti connector's "
+                    "integration/vllm-connector folder (holding adapter/) to run "
+                    "the tutti-public checks")
+    return Path(src)
+
+
+@pytest.mark.parametrize("report", ["", "tvc.contract.standins:tutti_worker_report"],
+                         ids=["no-report", "standin"])
+def test_tutti_public_hits_need_the_declared_stand_in(tmp_path, report) -> None:
+    src = _tutti_src()
+    prof = tmp_path / "tutti.toml"
+    prof.write_text(f"""\
+[profile]
+name = "tutti-selftest"
+extends = "tutti-public"
+[connector]
+worker_report = "{report}"
+[scratch]
+dir = "{tmp_path / 'scratch'}"
+""")
+    run = run_suite(["suites/contract", "-m", "contract", "-k", HIT_RULE,
+                     f"--tvc-profile={prof}", "-q"], tmp_path / "report",
+                    env={"PYTHONPATH": os.pathsep.join(
+                        [str(src), str(HERE.parents[1]),
+                         os.environ.get("PYTHONPATH", "")])})
+    t = _hit_rule_test(run)
+    if not report:
+        assert t["outcome"] == "failed" and "TuttiConnectorV1 publishes residency " \
+            "through worker metadata" in t["message"] and "worker_report" in \
+            t["message"], f"{t['outcome']}: {t['message']}\n{run.tail()}"
+        return
+    assert t["outcome"] == "passed", f"{t['message']}\n{run.tail()}"
+    hits = t["properties"]["hits_by_prompt_len"]
+    assert hits["33"] == 32 and hits["129"] == 128, hits  # C*floor((len-1)/C), C=32
+    assert t["properties"]["worker"] == f"stand-in: {report}"

@@ -196,3 +196,34 @@ dir = "{tmp_path / 'scratch'}"
     hits = t["properties"]["hits_by_prompt_len"]
     assert hits["33"] == 32 and hits["129"] == 128, hits  # C*floor((len-1)/C), C=32
     assert t["properties"]["worker"] == f"stand-in: {report}"
+
+
+def test_declared_standin_reports_the_fault_wrappers_planned_load_failure(
+        tmp_path, monkeypatch) -> None:
+    """Under tvc.faults fail_load, the stand-in reports the planned blocks as vLLM
+    expects (invalid_block_ids in the load's step), and vLLM recomputes them."""
+    from tvc import contract as C
+    from tvc.contract.standins import HookWorker
+    from tvc.faults import wrap_kv_transfer_config
+    from tvc.profile import load
+
+    monkeypatch.syspath_prepend(str(HERE))
+    prof = tmp_path / "p.toml"
+    prof.write_text(PROFILE.format(cls="WorkerMetaResidencyConnector",
+                                   store=tmp_path / "store", rule="(len - 1) // B * B",
+                                   devices='["cuda"]', report=STANDIN,
+                                   scratch=tmp_path / "scratch"))
+    profile = load(str(prof))
+    ktc = dict(profile.kv_transfer_config(), kv_load_failure_policy="recompute")
+    rig = C.make_rig(profile, profile.scratch / "contract", num_blocks=64,
+                     kv_transfer_config=wrap_kv_transfer_config(ktc, "fail_load"))
+    assert isinstance(rig.worker, HookWorker)
+    first = rig.request(4 * 16 + 5)
+    rig.driver.run(first)
+    rig.forget_local_cache()
+    second = rig.request(4 * 16 + 5, shared_prefix=first.prompt_token_ids)
+    rig.driver.run(second)
+    assert C.external_hit(rig.driver, second)[1] == 64
+    assert len(rig.worker.reported_invalid_blocks) == 1, (
+        rig.worker.reported_invalid_blocks)
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)

@@ -144,7 +144,12 @@ class HookWorker:
 
     Moves no bytes: ``loaded`` and ``load_errors`` stay empty, so the
     bit-identity checks have nothing to verify (the worker-side round trip is the
-    real worker's test, on a device it runs on).
+    real worker's test, on a device it runs on). Under
+    :class:`tvc.faults.FaultInjectingConnector` the load failures the wrapper
+    planned with reporting on are reported as the real worker would
+    (``invalid_block_ids``: a synchronous load's in this step, an asynchronous
+    one's in the step that finishes receiving it), as
+    :class:`tvc.contract.worker.JobAckWorker` does.
 
     Attributes:
         hook: the ``module:function`` the profile declared.
@@ -162,6 +167,7 @@ class HookWorker:
         self.reported_invalid_blocks: set[int] = set()
         self.steps = 0
         self.reports = 0
+        self.await_recv: dict[str, list[int]] = {}
 
     def execute(self, so: Any, meta: Any) -> Any:
         """Call the stand-in with this step's scheduler output and metadata.
@@ -184,24 +190,39 @@ class HookWorker:
         from tvc.contract.worker import unwrap_metadata
 
         self.steps += 1
+        inner = unwrap_metadata(meta)
+        invalid: set[int] = set()
+        if inner is not meta and getattr(meta, "report", False):
+            for rid, blocks in (getattr(meta, "faults", None) or {}).items():
+                if rid in meta.async_reqs:
+                    self.await_recv[rid] = list(blocks)
+                else:
+                    invalid.update(blocks)
         try:
-            ret = self.report(so, unwrap_metadata(meta))
+            ret = self.report(so, inner)
         except Exception as exc:  # noqa: BLE001 - named below
             raise WorkerReportError(
                 f"{WORKER_REPORT_KEY} = {self.hook!r}: the stand-in raised "
                 f"{type(exc).__name__}: {exc}") from exc
         if ret is None:
-            return KVConnectorOutput()
-        if isinstance(ret, KVConnectorWorkerMetadata):
+            out = KVConnectorOutput()
+        elif isinstance(ret, KVConnectorWorkerMetadata):
             self.reports += 1
-            return KVConnectorOutput(kv_connector_worker_meta=ret)
-        if isinstance(ret, KVConnectorOutput):
+            out = KVConnectorOutput(kv_connector_worker_meta=ret)
+        elif isinstance(ret, KVConnectorOutput):
             self.reports += 1
-            return ret
-        raise WorkerReportError(
-            f"{WORKER_REPORT_KEY} = {self.hook!r}: the stand-in returned "
-            f"{type(ret).__name__}; expected KVConnectorOutput, a "
-            "KVConnectorWorkerMetadata or None")
+            out = ret
+        else:
+            raise WorkerReportError(
+                f"{WORKER_REPORT_KEY} = {self.hook!r}: the stand-in returned "
+                f"{type(ret).__name__}; expected KVConnectorOutput, a "
+                "KVConnectorWorkerMetadata or None")
+        for rid in out.finished_recving or ():
+            invalid.update(self.await_recv.pop(rid, ()))
+        if invalid:
+            out.invalid_block_ids = set(out.invalid_block_ids or ()) | invalid
+            self.reported_invalid_blocks |= invalid
+        return out
 
 
 def load_worker_report(spec: str, vllm_config: Any, kv_cache_config: Any,
@@ -277,8 +298,11 @@ def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
     Args:
         vllm_config: the rig's config (its ``kv_connector_extra_config``).
         kv_cache_config: the rig's ``KVCacheConfig``.
-        connector: the scheduler-side connector (unused: keys are recomputed
-            independently, as the worker does).
+        connector: the scheduler-side Tutti connector (inside a suite wrapper:
+            the inner one); its own config is used where it differs from the
+            rig's (``tvc.faults`` builds the inner connector from an inner
+            ``kv_transfer_config``). Keys are recomputed independently, as the
+            worker does.
 
     Returns:
         ``report(scheduler_output, metadata) -> TuttiWorkerMetadata | None``.
@@ -287,7 +311,7 @@ def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
         WorkerReportError: Tutti's packages are not importable.
 
     """
-    del connector
+    vllm_config = getattr(connector, "_vllm_config", None) or vllm_config
     try:
         from adapter.connector import _key_namespace, _resolve_geometry
         from adapter.worker_meta import TuttiWorkerMetadata

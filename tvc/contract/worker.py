@@ -130,11 +130,14 @@ def allocate_cross_layer_kv_caches(vllm_config: Any, kv_cache_config: Any,
         the cross-layer tensor, the attention backend)``; with FlashAttention and
         the NHD layout the cross-layer tensor is ``(num_blocks, num_layers, B, H,
         2*D)``, contiguous. ``({}, None, None)`` where vLLM would not use the
-        uniform layout for this KV cache config.
+        uniform layout for this KV cache config, or has no such allocation
+        (vLLM 0.33 has neither ``allocate_uniform_kv_caches`` nor
+        ``register_cross_layers_kv_cache`` calls: it registers per layer).
+        Checked on vLLM 0.26.0 (sources) and 0.28.0.
 
     Raises:
-        HarnessIncompatible: this vLLM has no ``allocate_uniform_kv_caches`` /
-            ``AttentionGroup`` the harness can call.
+        HarnessIncompatible: ``allocate_uniform_kv_caches`` exists with other
+            parameters than the harness passes.
 
     """
     import torch
@@ -155,11 +158,13 @@ def allocate_cross_layer_kv_caches(vllm_config: Any, kv_cache_config: Any,
             KVConnectorModelRunnerMixin,
         )
         from vllm.v1.worker.utils import AttentionGroup
-    except ImportError as exc:
-        raise HarnessIncompatible(api, f"cannot import it: {exc}") from None
+    except ImportError:
+        return {}, None, None  # no such runner code: vLLM registers per layer
     allocate = getattr(KVConnectorModelRunnerMixin, "allocate_uniform_kv_caches",
                        None)
-    params = list(inspect.signature(allocate).parameters) if allocate else []
+    if allocate is None:  # e.g. vLLM 0.33: no cross-layer allocation at all
+        return {}, None, None
+    params = list(inspect.signature(allocate).parameters)
     want = ["kv_cache_config", "attn_groups", "cache_dtype", "device",
             "kernel_block_sizes"]
     if params[:5] != want:

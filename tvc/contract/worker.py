@@ -6,6 +6,7 @@ transfer-acknowledging stand-in (:class:`JobAckWorker`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib
@@ -222,6 +223,18 @@ def _acquire_distributed(vllm_config: Any, device: str) -> bool:
         _DIST["stack"] = stack
     _DIST["users"] += 1
     return True
+
+
+@atexit.register
+def _close_distributed_at_exit() -> None:
+    """Leave vLLM's groups before interpreter shutdown if a worker was never closed.
+
+    (Otherwise the context's clean-up runs during module teardown and fails.)
+    """
+    stack, _DIST["stack"], _DIST["users"] = _DIST["stack"], None, 0
+    if stack is not None:
+        with contextlib.suppress(Exception):
+            stack.close()
 
 
 def _release_distributed() -> None:

@@ -666,15 +666,17 @@ class ConnectorWorker:
             first_rep = next((i for i, blk in enumerate(table[: -(-start // b)])
                               if blk in invalid), None)
             first_bad = None if bad is None else bad[0] // b
+            # the sentence through verify_range (a subclass may name its rank)
+            what = self.verify_range(rid, 0, start) if bad is not None else ""
             if first_rep is None:
                 if bad is not None:
-                    self.load_errors.append(f"request {rid}: {bad[1]}")
+                    self.load_errors.append(f"request {rid}: {what}")
                     failed.add(rid)
                 continue
             failed.add(rid)
             self.reported_loads[rid] = first_rep * b
             if first_bad is not None and first_bad < first_rep:
-                self.load_errors.append(f"request {rid}: {bad[1]} (before the "
+                self.load_errors.append(f"request {rid}: {what} (before the "
                                         "first block reported as failed)")
             elif (first_bad is None or first_bad > first_rep) and rid in expected \
                     and first_rep * b >= expected[rid][0]:

@@ -237,6 +237,25 @@ def _close_distributed_at_exit() -> None:
             stack.close()
 
 
+def release_leftover_distributed() -> bool:
+    """Leave vLLM's groups that unclosed workers of a finished test still hold.
+
+    Called after every test (fixture ``tvc_release_worker_distributed`` in
+    ``fixtures/contract.py``), so that no test starts inside another's
+    distributed environment.
+
+    Returns:
+        True when something was left and is now torn down.
+
+    """
+    stack, _DIST["stack"], _DIST["users"] = _DIST["stack"], None, 0
+    if stack is None:
+        return False
+    with contextlib.suppress(Exception):
+        stack.close()
+    return True
+
+
 def _release_distributed() -> None:
     """Drop one hold; the last one tears vLLM's groups down."""
     _DIST["users"] -= 1
@@ -457,15 +476,18 @@ class ConnectorWorker:
                 bad = int((~per_tok).nonzero()[0])
                 if worst is not None and start + bad >= worst[0]:
                     continue
-                zero = not bool(got[~per_tok].ne(0).any()) if kv.dim() == 4 \
-                    else not bool(got[:, ~per_tok].ne(0).any())
+                rest = got[~per_tok] if kv.dim() == 4 else got[:, ~per_tok]
+                zero = not bool(rest.ne(0).any())
+                poisoned = not bool(rest.ne(POISON).any())
                 worst = (start + bad,
                          f"layer {name}: token {start + bad} (block "
                          f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
                          f"hold the KV that was stored for it "
                          f"({int((~per_tok).sum())} of {end - start} tokens differ"
                          + ("; their slots are still zero: nothing was loaded "
-                            "into them)" if zero else ")"))
+                            "into them)" if zero else
+                            "; their slots still hold the harness's poison: "
+                            "nothing was loaded into them)" if poisoned else ")"))
         return worst
 
     def poison(self, req_id: str, start: int, end: int) -> None:
@@ -561,8 +583,10 @@ class ConnectorWorker:
             ``KVConnectorOutput`` filled as the model runner fills it.
 
         Raises:
-            ConnectorWorkerError: a connector call raised; the message names the
-                call and, where :mod:`tvc.error_hints` knows it, the cause.
+            ConnectorWorkerError: a connector call raised an error whose cause
+                :mod:`tvc.error_hints` knows; the message starts with it and names
+                the call. Any other exception propagates as raised, with a note
+                naming the call.
 
         """
         from vllm.config import set_current_vllm_config
@@ -624,8 +648,12 @@ class ConnectorWorker:
         except HarnessIncompatible:
             raise
         except Exception as exc:
+            hint = hint_prefix(exc)
+            if not hint:  # keep the connector's own exception, name the call
+                exc.add_note(f"(raised by the connector's worker side in {step})")
+                raise
             raise ConnectorWorkerError(
-                f"{hint_prefix(exc)}The connector's worker side failed in {step}: "
+                f"{hint}The connector's worker side failed in {step}: "
                 f"{type(exc).__name__}: {exc}") from exc
         self._judge_loads(checks, set(out.invalid_block_ids or ()), expected,
                           failed_reqs)

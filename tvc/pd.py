@@ -379,9 +379,10 @@ class PDRouter:
     def _post(self, client: VllmClient, side: str, rid: str, prompt: Sequence[int],
               max_tokens: int, logprobs: int, extra: Mapping[str, Any]
               ) -> tuple[Completion, dict[str, Any] | None]:
-        from tvc.vllm_server import _Accumulator
+        from tvc.client import _Accumulator, completion_body
 
-        body = client._body(prompt, max_tokens, logprobs, extra)  # noqa: SLF001
+        body = completion_body(client.model, list(prompt), max_tokens, logprobs,
+                               **dict(extra))
         r = client.session.post(f"{client.base_url}/v1/completions", json=body,
                                 headers={"X-Request-Id": rid},
                                 timeout=client.timeout_s)
@@ -391,7 +392,7 @@ class PDRouter:
         data = r.json()
         acc = _Accumulator()
         acc.add(data)
-        return acc.result(None, 0.0), data.get("kv_transfer_params")
+        return acc.result(ttft_s=None, latency_s=0.0), data.get("kv_transfer_params")
 
     def _stream(self, rid: str, prompt: Sequence[int], max_tokens: int,
                 logprobs: int, extra: Mapping[str, Any]) -> Completion:
@@ -465,7 +466,10 @@ class PDPair:
                 log_path=Path(log_dir) / f"pd-{role}-{stamp}.log",
                 env={**dict(env or {}), "CUDA_VISIBLE_DEVICES": str(gpu),
                      "VLLM_HOST_IP": HOST},
-                launcher=launcher, startup_timeout_s=startup_timeout_s)
+                launcher=launcher, startup_timeout_s=startup_timeout_s,
+                # one server on each of two GPUs, both up at once: neither may
+                # park the other (tvc.vllm_server's one-server-per-GPU slot)
+                exclusive_gpu=False)
         self.block_size = 0
 
     @property

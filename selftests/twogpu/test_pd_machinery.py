@@ -165,7 +165,8 @@ def test_corrupt_transfer_fails_the_baseline_comparison(tmp_path: Path) -> None:
 def test_block_size_mismatch_seen_at_runtime_is_named(tmp_path: Path) -> None:
     def srv(name: str, bs: str) -> VllmServer:
         return VllmServer("fake-model", log_path=tmp_path / f"{name}.log",
-                          launcher=FAKE, env={"FAKE_PD_BLOCK_SIZE": bs})
+                          launcher=FAKE, env={"FAKE_PD_BLOCK_SIZE": bs},
+                          exclusive_gpu=False)
 
     with srv("p", "16") as p, srv("c", "32") as c:
         with pytest.raises(PD.PDConfigError, match="check_block_sizes_match: the "

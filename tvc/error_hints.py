@@ -54,6 +54,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
      "the connector takes the cross-layer KV pool's shape[3] as the K/V axis, "
      "but in vLLM's FlashAttention NHD layout shape[3] is the KV-head count per "
      "rank: only models with exactly 2 KV heads per rank are accepted"),
+    # adapter/worker.py:235 (staged path's layout check); seen on the H200 with
+    # vLLM 0.26.0: its engine registers per-layer rank-4 tensors
+    (re.compile(r"unsupported paged KV tensor rank 4"),
+     "the connector's worker accepts only vLLM's cross-layer KV tensor (rank 5) "
+     "or per-layer tensors with exactly 2 KV heads per rank; this vLLM handed it "
+     "per-layer rank-4 tensors (it did not register the cross-layer layout the "
+     "connector prefers)"),
     # stores/tutti_nvme/store.py:2013
     (re.compile(r"runtime=None 需要 TUTTI_NVME_PRESET"),
      "the tutti_nvme store needs TUTTI_NVME_PRESET (inline yaml/json or a file "

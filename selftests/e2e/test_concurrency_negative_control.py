@@ -10,18 +10,15 @@ from each other's stored KV, so the concurrency test must fail on output equalit
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
 from selftests.conftest import run_suite
-from tvc.session import state
+from selftests.e2e.bad_profiles import bad_connector_env, write_bad_connector_profile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 
-HERE = Path(__file__).resolve().parent
 ACCEPTANCE = ("suites/e2e/test_external_prefix_hit.py::"
               "test_second_pass_is_served_from_connector_with_identical_output")
 CONCURRENCY = ("suites/e2e/test_concurrency.py::"
@@ -29,43 +26,17 @@ CONCURRENCY = ("suites/e2e/test_concurrency.py::"
 
 
 def write_profile(tmp_path: Path) -> Path:
-    serve_args = state().profile["vllm"]["serve_args"]
-    text = f"""\
-[profile]
-name = "cross-serving-example"
-description = "ExampleConnector that serves one request's KV to another"
-
-[connector]
-name = "CrossServingConnector"
-module_path = "cross_serving_connector"
-kv_role = "kv_both"
-extra_config = {{ shared_storage_path = "${{SCRATCH}}/cross-store" }}
-hit_rule = "(len - 2) // B * B * ((len - 1 - (len - 1) // B * B + B - 1) // B)"
-hit_rule_source = "same as the example profile (ExampleConnector's matching)"
-hit_log_pattern = "External Cache Hit!"
-persistent_store = true
-
-[model]
-path = "${{TVC_MODEL:-}}"
-
-[vllm]
-serve_args = {json.dumps(serve_args)}
-
-[scratch]
-dir = "{tmp_path / 'scratch'}"
-"""
-    path = tmp_path / "cross.toml"
-    path.write_text(text)
-    return path
+    return write_bad_connector_profile(
+        tmp_path, name="cross-serving-example", connector="CrossServingConnector",
+        module="cross_serving_connector",
+        description="ExampleConnector that serves one request's KV to another")
 
 
 def test_concurrency_check_catches_a_connector_that_cross_serves_kv(tmp_path):
     profile = write_profile(tmp_path)
-    pythonpath = os.pathsep.join(
-        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     run = run_suite([ACCEPTANCE, CONCURRENCY, "--tvc-profile", str(profile),
                      "--tvc-require", "gpu"], tmp_path / "report",
-                    env={"PYTHONPATH": pythonpath}, timeout_s=900)
+                    env=bad_connector_env(), timeout_s=900)
     single = run.test("test_second_pass_is_served_from_connector")
     assert single["outcome"] == "passed", (
         "the cross-serving connector loads one request at a time correctly, so the "

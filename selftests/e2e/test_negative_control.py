@@ -9,18 +9,15 @@ the test must fail on output token ids or logprobs, and for no other reason.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
 from selftests.conftest import run_suite
-from tvc.session import state
+from selftests.e2e.bad_profiles import bad_connector_env, write_bad_connector_profile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 
-HERE = Path(__file__).resolve().parent
 TEST = ("suites/e2e/test_external_prefix_hit.py::"
         "test_second_pass_is_served_from_connector_with_identical_output")
 EQUALITY_FAILURE = ("output token ids differ between pass 1 and pass 2",
@@ -28,42 +25,16 @@ EQUALITY_FAILURE = ("output token ids differ between pass 1 and pass 2",
 
 
 def write_profile(tmp_path: Path) -> Path:
-    serve_args = state().profile["vllm"]["serve_args"]
-    text = f"""\
-[profile]
-name = "corrupting-example"
-description = "ExampleConnector whose loaded KV is overwritten with noise"
-
-[connector]
-name = "CorruptingConnector"
-module_path = "corrupting_connector"
-kv_role = "kv_both"
-extra_config = {{ shared_storage_path = "${{SCRATCH}}/corrupting-store" }}
-hit_rule = "(len - 2) // B * B"
-hit_rule_source = "same as the example profile (ExampleConnector's matching)"
-hit_log_pattern = "External Cache Hit!"
-persistent_store = true
-
-[model]
-path = "${{TVC_MODEL:-}}"
-
-[vllm]
-serve_args = {json.dumps(serve_args)}
-
-[scratch]
-dir = "{tmp_path / 'scratch'}"
-"""
-    path = tmp_path / "corrupting.toml"
-    path.write_text(text)
-    return path
+    return write_bad_connector_profile(
+        tmp_path, name="corrupting-example", connector="CorruptingConnector",
+        module="corrupting_connector",
+        description="ExampleConnector whose loaded KV is overwritten with noise")
 
 
 def test_two_pass_check_catches_a_connector_that_corrupts_loaded_kv(tmp_path):
     profile = write_profile(tmp_path)
-    pythonpath = os.pathsep.join(
-        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     run = run_suite([TEST, "--tvc-profile", str(profile), "--tvc-require", "gpu"],
-                    tmp_path / "report", env={"PYTHONPATH": pythonpath},
+                    tmp_path / "report", env=bad_connector_env(),
                     timeout_s=900)
     t = run.test("test_second_pass_is_served_from_connector_with_identical_output")
     assert t["outcome"] == "failed", (

@@ -24,15 +24,14 @@ from tvc.profile import Profile
 
 
 # ------------------------------------------------------------------- rig + fixtures
-@dataclass
-class Rig:
-    """Everything one contract test drives: config, scheduler, worker, driver."""
+class SchedulerSideMixin:
+    """What every rig offers on the scheduler side (:class:`Rig`, TP rigs).
+
+    Needs the attributes ``vllm_config`` and ``scheduler``.
+    """
 
     vllm_config: Any
-    kv_cache_config: Any
     scheduler: Any
-    worker: Any
-    driver: EngineDriver
 
     @property
     def block_size(self) -> int:
@@ -50,6 +49,19 @@ class Rig:
         """
         assert self.scheduler.reset_prefix_cache(), (
             "vLLM refused to reset its prefix cache: a request still holds blocks")
+
+
+
+@dataclass
+class Rig(SchedulerSideMixin):
+    """Everything one contract test drives: config, scheduler, worker, driver."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler: Any
+    worker: Any
+    driver: EngineDriver
+
 
 
 def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",

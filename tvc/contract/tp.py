@@ -40,12 +40,12 @@ from typing import Any
 from tvc.contract.builders import (
     DEFAULT_NUM_BLOCKS,
     make_kv_cache_config,
-    make_request,
     make_scheduler,
     make_vllm_config,
 )
 from tvc.contract.distributed import free_init_method, vllm_distributed
 from tvc.contract.driver import EngineDriver
+from tvc.contract.rig import SchedulerSideMixin
 from tvc.contract.worker import ConnectorWorker, pattern_values, slots_for, token_view
 from tvc.profile import Profile
 
@@ -479,7 +479,7 @@ def run_tp(driver: EngineDriver, group: TPWorkerGroup, *requests: Any) -> None:
 
 
 @dataclass
-class TPRig:
+class TPRig(SchedulerSideMixin):
     """Config, scheduler, rank group and driver for one connector at TP = N."""
 
     vllm_config: Any
@@ -487,20 +487,6 @@ class TPRig:
     scheduler: Any
     group: TPWorkerGroup
     driver: EngineDriver
-
-    @property
-    def block_size(self) -> int:
-        """KV block size B in tokens."""
-        return self.vllm_config.cache_config.block_size
-
-    def request(self, num_tokens: int, **kw: Any) -> Any:
-        """:func:`tvc.contract.builders.make_request` with this rig's block size."""
-        return make_request(num_tokens=num_tokens, block_size=self.block_size, **kw)
-
-    def forget_local_cache(self) -> None:
-        """Drop vLLM's local prefix cache (``Scheduler.reset_prefix_cache``)."""
-        assert self.scheduler.reset_prefix_cache(), (
-            "vLLM refused to reset its prefix cache: a request still holds blocks")
 
     def close(self) -> None:
         """Stop the ranks and shut the scheduler-side connector down."""

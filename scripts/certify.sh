@@ -50,15 +50,7 @@ esac
 name=${facts% *}
 require=${facts#* }
 
-# Option spellings: the --tvc- ones where this checkout has them, else the old ones.
-# (help captured first: grep -q would close the pipe early and, under pipefail,
-# the killed pytest would turn a match into a failure)
-help=$("$py" -m pytest --help -p no:cacheprovider 2>/dev/null)
-if grep -q -- '--tvc-profile' <<<"$help"; then
-  opt_profile=--tvc-profile opt_require=--tvc-require opt_report=--tvc-report-dir
-else
-  opt_profile=--profile opt_require=--require opt_report=--report-dir
-fi
+opt_profile=--tvc-profile opt_require=--tvc-require opt_report=--tvc-report-dir
 
 reports=${TVC_REPORTS_ROOT:-$root/reports}
 run_dir="$reports/$(date -u +%Y%m%d-%H%M%S)-certify-$name"

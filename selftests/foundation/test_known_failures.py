@@ -82,15 +82,16 @@ def test_vllm_specifier_limits_an_entry(tmp_path: Path, version: str,
 
 
 @pytest.mark.parametrize("entry, match", [
-    ('test = "x"\nreason = "r"', r"missing required key known_failures\[0\]\.link"),
-    ('test = "x"\nreason = "r"\nlink = "ftp://x/y"', r"known_failures\[0\]\.link: "
-                                                      "'ftp://x/y' is not an http"),
-    ('test = "x"\nreason = "r"\nlink = "https:///nohost"', r"\.link: "),
+    ('test = "suites/t"\nreason = "r"',
+     r"missing required key known_failures\[0\]\.link"),
+    ('test = "suites/t"\nreason = "r"\nlink = "ftp://x/y"',
+     r"known_failures\[0\]\.link: 'ftp://x/y' is not an http"),
+    ('test = "suites/t"\nreason = "r"\nlink = "https:///nohost"', r"\.link: "),
     ('test = ""\nreason = "r"\nlink = "https://x/1"', r"known_failures\[0\]\.test: "
                                                       "empty"),
-    ('test = "x"\nreason = "r"\nlink = "https://x/1"\nvllm = "~~1"',
+    ('test = "suites/t"\nreason = "r"\nlink = "https://x/1"\nvllm = "~~1"',
      r"known_failures\[0\]\.vllm: '~~1' is not a PEP 440"),
-    ('test = "x"\nreason = "r"\nlink = "https://x/1"\nwhy = 1',
+    ('test = "suites/t"\nreason = "r"\nlink = "https://x/1"\nwhy = 1',
      r"unknown key known_failures\[0\]\.why"),
 ])
 def test_bad_entries_are_one_line_errors(tmp_path: Path, entry: str,

@@ -179,7 +179,8 @@ REPRODUCERS: dict[str, Case] = {
     "file_over_1_mib": (HEAD + "#" + "x" * (1 << 20) + "\n",
                         ("over 1048576 bytes",)),
     "known_failure_without_link": (
-        HEAD + '[[known_failures]]\ntest = "x"\nreason = "r"\nlink = "see slack"\n',
+        HEAD + ("[[known_failures]]\ntest = \"suites/t\"\nreason = \"r\"\n"
+                "link = \"see slack\"\n"),
         ("key known_failures[0].link", "is not an http(s) URL")),
 }
 

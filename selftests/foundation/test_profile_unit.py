@@ -347,7 +347,7 @@ def test_extends_overrides_per_key_and_follows_chains(tmp_path: Path) -> None:
     (tmp_path / "sub" / "base.toml").write_text(
         '[profile]\nname = "base"\nextends = "example"\n[connector]\n'
         'kv_role = "kv_producer"\n[vllm]\nserve_args = ["--base"]\n'
-        '[[known_failures]]\ntest = "x*"\nreason = "r"\nlink = "https://e.x/1"\n')
+        '[[known_failures]]\ntest = "suites/x*"\nreason = "r"\nlink = "https://e.x/1"\n')
     child = tmp_path / "child.toml"
     child.write_text('[profile]\nname = "child"\nextends = "sub/base.toml"\n'
                      '[vllm]\nserve_args = ["--child"]\n')

@@ -22,7 +22,7 @@ def test_an_interrupted_test_is_not_run_not_passed(tmp_path) -> None:
     rep.pytest_runtest_logreport(phase("t::b", "call", "passed"))
     rep.pytest_runtest_logreport(phase("t::b", "teardown", "passed"))
     assert rep.counts() == {"passed": 1, "failed": 0, "skipped": 0, "error": 0,
-                            "not_run": 1}
+                            "xfailed": 0, "not_run": 1}
     summary = json.loads(rep.write(2).read_text())
     assert summary["run"]["exit_status"] == 2
     assert {t["nodeid"]: t["outcome"] for t in summary["tests"]} == {
@@ -41,7 +41,8 @@ def test_a_skip_in_setup_is_a_skip(tmp_path) -> None:
     rep = RunReport(tmp_path / "run", {"run": {}})
     rep.pytest_runtest_logreport(phase("t::a", "setup", "skipped"))
     rep.pytest_runtest_logreport(phase("t::a", "teardown", "passed"))
-    assert rep.counts() == {"passed": 0, "failed": 0, "skipped": 1, "error": 0}
+    assert rep.counts() == {"passed": 0, "failed": 0, "skipped": 1, "error": 0,
+                            "xfailed": 0}
 
 
 def test_run_dir_checks_name_the_problem(tmp_path) -> None:

@@ -110,7 +110,9 @@ def _junit_counts(run: SuiteRun) -> dict[str, int]:
 @pytest.mark.parametrize("case", ["strict", "xdist"])
 def test_summary_counts_equal_junit_counts(runs, case: str) -> None:
     run = runs[case]
-    assert run.summary["counts"] == _junit_counts(run), run.tail()
+    counts = dict(run.summary["counts"])
+    counts["skipped"] += counts.pop("xfailed")  # JUnit files an xfail as a skip
+    assert counts == _junit_counts(run), run.tail()
     assert sum(run.summary["counts"].values()) == len(run.summary["tests"]) == 5
     assert run.summary["run"]["exit_status"] == run.rc
 

@@ -9,17 +9,20 @@
 # run folder holds junit.xml, summary.json/.md/.html, the server logs and the tier
 # outputs. Strict mode: --tvc-require gpu, plus nvme when the profile has a store
 # ([store] path or [daemon] device_globs), so a missing GPU or store fails instead
-# of skipping. No -n (do not add it): vLLM servers run one at a time. Extra arguments go
-# to pytest as they are (e.g. --tvc-trace-pressure, --tvc-trace-size=large, -x,
-# -k "not variant").
+# of skipping. With pytest-xdist installed the run uses CERTIFY_WORKERS xdist workers
+# (default 4): every test that starts a vLLM server, daemon or store runs on ONE
+# worker, one at a time (tvc.run_control), while level1/level2/contract run on the
+# others. Extra arguments go to pytest as they are (e.g. --tvc-trace-pressure,
+# --tvc-trace-size=large, -x, -k "not variant").
 #
 # Environment: PYTHON (default .venv/bin/python when present, else python3),
-# TVC_REPORTS_ROOT or the default reports/ for the run folder, CERTIFY_DRY_RUN=1 to
-# print the pytest command instead of running it. Prints the run folder and the
-# time taken; exits with pytest's status (0 = certified).
+# CERTIFY_WORKERS (0 = no xdist), TVC_REPORTS_ROOT or the default reports/ for the
+# run folder, CERTIFY_DRY_RUN=1 to print the pytest command instead of running it.
+# Prints the run folder and the time taken; exits with pytest's status
+# (0 = certified).
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   [ $# -ge 1 ] && exit 0 || exit 2
 fi
 profile=$1
@@ -65,7 +68,13 @@ done
 
 echo "certify: profile $name ($profile), strict: $require, tiers: ${tiers[*]#suites/}"
 echo "certify: run folder $run_dir"
-cmd=("$py" -m pytest -p no:cacheprovider -rA "${tiers[@]}"
+workers=${CERTIFY_WORKERS:-4}
+xdist=()
+if [ "$workers" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
+  xdist=(-n "$workers")
+  echo "certify: $workers xdist workers (servers, daemon and stores on one of them)"
+fi
+cmd=("$py" -m pytest -p no:cacheprovider -rA "${xdist[@]}" "${tiers[@]}"
      "$opt_profile=$profile" "$opt_require=$require" "$opt_report=$run_dir" "$@")
 if [ -n "${CERTIFY_DRY_RUN:-}" ]; then
   printf '%q ' "${cmd[@]}"; echo

@@ -61,6 +61,12 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
      "or per-layer tensors with exactly 2 KV heads per rank; this vLLM handed it "
      "per-layer rank-4 tensors (it did not register the cross-layer layout the "
      "connector prefers)"),
+    # vllm/v1/worker/gpu_worker.py determine_available_memory (0.26.0-0.33.0): the
+    # assert after the profile run when free memory grew meanwhile
+    (re.compile(r"Error in memory profiling\. Initial free memory"),
+     "another process released GPU memory while this vLLM server profiled its "
+     "memory at start-up (e.g. an xdist worker of this run exiting): not the "
+     "connector; rerun, or run without -n (CERTIFY_WORKERS=0) on a shared GPU"),
     # stores/tutti_nvme/store.py:2013
     (re.compile(r"runtime=None 需要 TUTTI_NVME_PRESET"),
      "the tutti_nvme store needs TUTTI_NVME_PRESET (inline yaml/json or a file "

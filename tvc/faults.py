@@ -21,6 +21,14 @@ dict), delegates every method to it, and injects ONE kind of fault into every
 ``corrupt_load``
     the same overwrite, NOT reported: silent corruption (a negative control: the
     output comparison of a test must catch it).
+``misreport_load``
+    the same overwrite, but the block reported through
+    ``get_block_ids_with_load_errors()`` is the one after the overwritten block
+    (none when the loaded range is one block): a connector that reports its failed
+    loads wrongly. vLLM recomputes the wrong
+    block and keeps the overwritten one (a negative control for the e2e
+    load-failure test: under ``recompute`` the output must differ from the
+    baseline).
 ``lose_entry``
     a lookup the inner connector answers with a hit is answered ``(0, False)``,
     as though the entry were evicted before the lookup; vLLM computes the prompt.
@@ -65,7 +73,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 FAULT_KEY = "tvc_fault"  # kv_connector_extra_config key of the wrapper's settings
-MODES = ("fail_load", "corrupt_load", "lose_entry", "fail_save")
+MODES = ("fail_load", "corrupt_load", "misreport_load", "lose_entry", "fail_save")
+_LOAD_MODES = ("fail_load", "corrupt_load", "misreport_load")  # overwrite a block
 # Written over a faulted block: the contract tier's KV pattern
 # (tvc.contract.worker.pattern_values) only produces integers in [-125, 125].
 SCRIBBLE_VALUE = 126
@@ -172,6 +181,8 @@ class FaultMetadata(KVConnectorMetadata):
         inner: the inner connector's metadata for this step.
         faults: request id -> block ids to overwrite (and, for ``fail_load``,
             report) once that request's load has landed.
+        reports: request id -> block ids to report instead of ``faults[id]``
+            (``misreport_load``).
         async_reqs: request ids among ``faults`` whose load is asynchronous
             (overwritten and reported when ``get_finished`` returns them).
         report: whether the faulted blocks are reported (``fail_load``).
@@ -182,6 +193,7 @@ class FaultMetadata(KVConnectorMetadata):
     faults: dict[str, list[int]] = field(default_factory=dict)
     async_reqs: set[str] = field(default_factory=set)
     report: bool = True
+    reports: dict[str, list[int]] = field(default_factory=dict)
 
 
 class FaultInjectingConnector(KVConnectorBase_V1):
@@ -214,6 +226,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._local: dict[str, int] = {}
         self._async: dict[str, bool] = {}
         self._pending: dict[str, list[int]] = {}
+        self._misreport: dict[str, list[int]] = {}
         self._pending_async: set[str] = set()
         self._emitted: set[Any] = set()
         self._ok_hashes: set[Any] = set()
@@ -222,8 +235,9 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self._kv: list[Any] = []
         self._step_faults: dict[str, list[int]] = {}
         self._await_recv: dict[str, list[int]] = {}
+        self._step_reports: dict[str, list[int]] = {}
         self._report_now: set[int] = set()
-        self._report = self.mode == "fail_load"
+        self._report = self.mode in ("fail_load", "misreport_load")
         self._scribbled = False
 
     # ------------------------------------------------------------ properties
@@ -277,6 +291,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
                                  if r not in meta.async_reqs}
             for r in meta.async_reqs:
                 self._await_recv[r] = meta.faults[r]
+            self._step_reports.update(meta.reports)
             meta = meta.inner
         self._scribbled = False
         self.inner.bind_connector_metadata(meta)
@@ -303,7 +318,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
                 self._scribble(blocks)
                 self.injected.append((self.mode, rid, list(blocks)))
                 if self._report:
-                    self._report_now.update(blocks)
+                    self._report_now.update(self._step_reports.pop(rid, blocks))
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any,  # noqa: D102
                       attn_metadata: Any, **kwargs: Any) -> None:
@@ -322,7 +337,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
                 self._scribble(blocks)
                 self.injected.append((self.mode, rid, list(blocks)))
                 if self._report:
-                    self._report_now.update(blocks)
+                    self._report_now.update(self._step_reports.pop(rid, blocks))
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -399,11 +414,11 @@ class FaultInjectingConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        """Delegate; pick the block of a faulted load (fail_load, corrupt_load)."""
+        """Delegate; pick the block of a faulted load (the three load modes)."""
         self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
         rid = request.request_id
         key = ("load", rid, request.num_preemptions)
-        if (self.mode not in ("fail_load", "corrupt_load") or num_external_tokens <= 0
+        if (self.mode not in _LOAD_MODES or num_external_tokens <= 0
                 or key in self._emitted or not self._counter.hit(key)):
             return
         self._emitted.add(key)
@@ -414,6 +429,12 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         first, last = local // b, (local + num_external_tokens - 1) // b
         pick = first + int(hashlib.sha256(f"{self.seed}-{rid}".encode()).hexdigest(),
                            16) % (last - first + 1)
+        if self.mode == "misreport_load":
+            # Report the block AFTER the overwritten one: vLLM recomputes from the
+            # first reported block on, so the overwritten block stays wrong (a
+            # block before it would make vLLM repair it). One block: report none.
+            pick = max(first, min(pick, last - 1))
+            self._misreport[rid] = [ids[pick + 1]] if pick < last else []
         self._pending[rid] = [ids[pick]]
         if self._async.get(rid):
             self._pending_async.add(rid)
@@ -423,8 +444,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         inner = self.inner.build_connector_meta(scheduler_output)
         meta = FaultMetadata(inner=inner, faults=self._pending,
                              async_reqs=self._pending_async & set(self._pending),
-                             report=self._report)
-        self._pending, self._pending_async = {}, set()
+                             report=self._report, reports=self._misreport)
+        self._pending, self._pending_async, self._misreport = {}, set(), {}
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:  # noqa: D102

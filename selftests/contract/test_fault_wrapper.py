@@ -122,6 +122,28 @@ def test_corrupt_load_is_silent_and_the_harness_sees_it(example) -> None:
     assert bool((kv == SCRIBBLE_VALUE).any())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_misreport_load_reports_a_later_block_and_the_wrong_kv_stays(
+        example, seed) -> None:
+    ktc = dict(example.kv_transfer_config(), kv_load_failure_policy="recompute")
+    rig = C.make_rig(example, example.scratch / "contract",
+                     kv_transfer_config=wrap_kv_transfer_config(
+                         ktc, "misreport_load", every=1, seed=seed),
+                     real_worker=True, num_blocks=64)
+    seconds = _store_then_replay(rig, k=1)
+    worker_side = rig.worker.connector
+    assert len(worker_side.injected) == 1, worker_side.injected
+    _, rid, scribbled = worker_side.injected[0]
+    assert rid == seconds[0].request_id and len(scribbled) == 1
+    reported = rig.worker.reported_invalid_blocks
+    assert len(reported) == 1 and reported.isdisjoint(scribbled), (
+        f"misreport_load must report a block other than the overwritten "
+        f"{scribbled}, reported {reported}")
+    # vLLM recomputes from the reported block on; the overwritten block is before
+    # it, so the request's KV stays wrong whichever block the seed picked.
+    assert rig.worker.verify_range(rid, 0, N), "the overwritten block was repaired"
+
+
 def test_lose_entry_answers_a_miss(example) -> None:
     rig = _rig(example, "lose_entry", every=2)
     seconds = _store_then_replay(rig)
@@ -139,3 +161,15 @@ def test_fail_save_is_never_visible_to_a_later_lookup(example) -> None:
     assert hits == [64, 0, 64], hits
     C.assert_loaded_kv_bit_identical(rig.worker)
     C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def test_profile_load_failure_faults_are_the_wrappers_load_modes(tmp_path) -> None:
+    from tvc import faults
+    from tvc.profile import LOAD_FAILURE_FAULTS, ProfileError
+
+    assert set(LOAD_FAILURE_FAULTS) == set(faults._LOAD_MODES)
+    prof = tmp_path / "bad.toml"
+    prof.write_text('[profile]\nname = "bad"\n[connector]\nname = "ExampleConnector"\n'
+                    '[e2e]\nload_failure_fault = "lose_entry"\n')
+    with pytest.raises(ProfileError, match="key e2e.load_failure_fault: 'lose_entry'"):
+        load(str(prof))

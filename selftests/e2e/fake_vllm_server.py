@@ -7,6 +7,7 @@ as ``FAKE_VLLM_MODE`` says:
   text of ``FAKE_VLLM_METRICS``), POST /reset_prefix_cache and /v1/completions (greedy
   fake: token i = (sum(prompt) + i) % 97 + 3; streamed with ``"stream": true``).
 - ``die``: prints a few lines, then a fatal one, and exits with code 3.
+- ``die-profiling``: dies with vLLM's memory-profiling assertion (exit 1).
 - ``hang``: never answers /health.
 - ``ignore-term``: like ``healthy`` but ignores SIGTERM (teardown must SIGKILL).
 
@@ -60,6 +61,11 @@ if mode == "die":
     print("INFO loading weights", flush=True)
     print("ERROR torch.OutOfMemoryError: CUDA out of memory (fake)", flush=True)
     sys.exit(3)
+if mode == "die-profiling":  # vLLM's assert when GPU memory was freed meanwhile
+    print("AssertionError: Error in memory profiling. Initial free memory 130.1 GiB,"
+          " current free memory 130.6 GiB. This happens when other processes "
+          "sharing the same container release GPU memory (fake)", flush=True)
+    sys.exit(1)
 if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "hang":

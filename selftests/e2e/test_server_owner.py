@@ -83,6 +83,15 @@ def test_server_that_dies_early_fails_at_once_with_log_tail(tmp_path):
     assert gone(pids(tmp_path)["child"]) and srv.leftovers() == []
 
 
+def test_memory_profiling_race_is_named_as_not_the_connector(tmp_path):
+    srv = fake_server(tmp_path, "die-profiling", startup_timeout_s=120)
+    with pytest.raises(ServerError) as exc, srv:
+        pass
+    msg = str(exc.value)
+    assert "another process released GPU memory" in msg and "not the connector" in msg
+    assert "Error in memory profiling" in msg  # vLLM's own line stays in the message
+
+
 def test_server_that_never_answers_health_times_out(tmp_path):
     srv = fake_server(tmp_path, "hang", startup_timeout_s=2)
     with pytest.raises(ServerError, match=r"did not answer .*/health within 2 s"):

@@ -1,7 +1,10 @@
 """e2e: failed KV loads are handled as ``kv_load_failure_policy`` says.
 
 The profile's connector is wrapped by the fault injector (``tvc.faults``, mode
-``fail_load``: every load reports its blocks as failed) and served with each policy
+``fail_load``: every load overwrites one block and reports it as failed; the
+self-tests set ``[e2e] load_failure_fault`` to ``misreport_load`` or
+``corrupt_load``, a connector that reports its failed loads wrongly, and this test
+must then fail) and served with each policy
 (``recompute``, ``fail``) and with async scheduling on and off. A stored prompt is
 sent again after ``POST /reset_prefix_cache``: under ``recompute`` it must complete
 with the baseline's output, under ``fail`` it must end with a clean per-request
@@ -48,7 +51,12 @@ def test_failed_kv_load_follows_the_policy_and_the_server_lives_on(
     record_property("profile_kv_load_failure_policy",
                     declared.get("kv_load_failure_policy", "fail (vLLM default)"))
     acc.record_seed(record_property)
-    cfg = faults.wrap_kv_transfer_config(profile.kv_transfer_config(), "fail_load")
+    mode = acc.e2e_setting(profile, "load_failure_fault", "fail_load")
+    record_property("load_failure_fault", mode)
+    try:
+        cfg = faults.wrap_kv_transfer_config(profile.kv_transfer_config(), mode)
+    except faults.FaultConfigError as exc:
+        pytest.fail(f"profile key e2e.load_failure_fault: {exc}", pytrace=False)
     cfg["kv_load_failure_policy"] = policy
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
     srv = vllm_server_factory(f"vllm-fail-load-{acc.case_id(policy, async_scheduling)}",

@@ -1,0 +1,67 @@
+"""GPU self-test: the e2e load-failure test FAILS against a connector that reports
+its failed loads wrongly.
+
+Runs ``suites/e2e/test_load_failure.py`` in a subprocess with the example profile
+and ``[e2e] load_failure_fault`` set to a faulty mode of the fault injector
+(:mod:`tvc.faults`):
+
+- ``misreport_load`` under ``recompute``: one loaded block is overwritten and a
+  *neighbouring* block is reported, so vLLM recomputes the wrong block; the test
+  must fail on the output against the baseline (not on a missing log line, not on
+  the server).
+- ``corrupt_load`` under ``fail``: the block is overwritten and nothing is
+  reported, so vLLM serves the garbage; the test must fail because the request
+  completed instead of ending with an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from selftests.conftest import run_suite
+from tvc.profile import BUILTIN_DIR
+
+pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
+
+LOAD_FAILURE = "suites/e2e/test_load_failure.py"
+TEST = "test_failed_kv_load_follows_the_policy_and_the_server_lives_on"
+CASES = [
+    ("misreport_load", "recompute-async",
+     "a recomputed request must give the output of a plain computation"),
+    ("corrupt_load", "fail-sync", "instead of an error"),
+]
+
+
+def write_profile(tmp_path: Path, mode: str) -> Path:
+    path = tmp_path / f"example-{mode}.toml"
+    path.write_text(f"""\
+[profile]
+name = "example-{mode.replace('_', '-')}"
+description = "ExampleConnector whose failed loads are reported wrongly ({mode})"
+extends = "{BUILTIN_DIR / 'example.toml'}"
+
+[e2e]
+load_failure_fault = "{mode}"
+
+[scratch]
+dir = "{tmp_path / 'scratch'}"
+""")
+    return path
+
+
+@pytest.mark.parametrize(("mode", "case", "expected"), CASES,
+                         ids=[f"{m}-{c}" for m, c, _ in CASES])
+def test_load_failure_check_catches_a_connector_that_reports_loads_wrongly(
+        tmp_path, mode, case, expected):
+    profile = write_profile(tmp_path, mode)
+    run = run_suite([LOAD_FAILURE, "-k", case, "--tvc-profile", str(profile),
+                     "--tvc-require", "gpu"], tmp_path / "report", timeout_s=600)
+    t = run.test(f"{TEST}[{case}]")
+    assert t["outcome"] == "failed", (
+        f"the load-failure test {t['outcome']} against a connector that reports its "
+        f"failed loads wrongly ({mode}) — the check is blind\n{run.tail()}")
+    assert expected in t["message"], (
+        f"expected the {case} case to fail because {expected!r}, got: "
+        f"{t['message']}")

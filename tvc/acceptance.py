@@ -96,6 +96,7 @@ LOAD_FAILURE_CASES: tuple[tuple[str, bool], ...] = (
 RECOVERED_LOG = r"Recovered from KV load failure"
 FAILING_LOG = r"Failing \d+ request\(s\) due to KV load failure"
 LOAD_FAILURE_LOG_WAIT_S = 5.0
+EMPTY_STREAM = "the stream carried no token"  # tvc.client's error for such a stream
 # /health is polled this many times, this far apart, after the failed load: an engine
 # that dies on the failure takes a moment to take the API server down
 HEALTH_CHECKS_AFTER = 4
@@ -187,10 +188,20 @@ class PromptBook:
         lo, hi = self.token_range
         return [rng.randrange(lo, hi) for _ in range(n)]
 
-    def repetitive_tokens(self, key: str, n: int, period: int = 24) -> list[int]:
-        """``n`` tokens repeating a random ``period``-token pattern (n-gram food)."""
-        unit = self.random_tokens(key, period)
-        return (unit * (n // period + 1))[:n]
+    def repetitive_tokens(self, key: str, n: int) -> list[int]:
+        """``n`` tokens: a seeded permutation of the token range, repeated (n-gram food).
+
+        Every id of ``[lo, hi)`` occurs (when ``n >= hi - lo``), so whatever token a
+        model generates within the range, an n-gram proposer with
+        ``prompt_lookup_min = 1`` finds it in the context and proposes what followed
+        it. (A short repeated pattern does not do this with a random-weight model:
+        on the H200 its outputs left the pattern at once and vLLM 0.26.0 proposed
+        no draft token at all.)
+        """
+        lo, hi = self.token_range
+        unit = list(range(lo, hi))
+        random.Random(f"{self.seed}-{key}").shuffle(unit)
+        return (unit * (n // len(unit) + 1))[:n]
 
     # -- the catalogue ------------------------------------------------------------
     def prompts(self) -> dict[str, list[int]]:
@@ -746,6 +757,15 @@ def check_load_failure(run: LoadFailureRun, baseline: Completion | None,
                    "connector did not report its failed load"))
         clean = (run.pass2.error.startswith(("stream error:", "HTTP 5"))
                  or run.pass2.error.startswith("finish_reason error"))
+        if not clean and run.pass2.error.startswith(EMPTY_STREAM) and run.healthy_after:
+            raise AssertionError(
+                f"{tag}: pass 2 ended with an empty stream and no error (no token, "
+                "no error event, no finish_reason error: "
+                f"{run.pass2.error[len(EMPTY_STREAM):].lstrip('; ')}) — the client "
+                "sees a successful, empty completion and cannot tell the request "
+                "failed" + (f"; vLLM did log {FAILING_LOG!r}, so the connector "
+                            "reported the load and vLLM's output path lost the "
+                            "error" if fired else ""))
         assert clean, (
             f"{tag}: pass 2 failed, but not with a clean per-request error: "
             f"{run.pass2.error} — expected an error event (code 500) or HTTP 500, "
@@ -795,10 +815,12 @@ class EngineVariant:
 
 
 CHUNKED_BATCH_TOKENS = 256  # --max-num-batched-tokens of the chunked-prefill variant
-# n-gram speculation (vLLM's "ngram" method, 0.26 and 0.28): propose up to 3 tokens
-# from the last 2-4-gram match in the context. vLLM turns async scheduling off for it.
+# n-gram speculation (vLLM's "ngram" method, 0.26 to 0.33): propose up to 3 tokens
+# from the longest 1-4-gram match of the context's end (prompt_lookup_min >= 1 in
+# vllm/config/speculative.py). vLLM turns async scheduling off for it, and 0.26.0
+# falls back to the V1 model runner ("Model Runner V2 does not yet support ngram").
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3,
-                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+                "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 VARIANTS: dict[str, EngineVariant] = {
     "sliding_window": EngineVariant(
         name="sliding_window", model="sliding-window",

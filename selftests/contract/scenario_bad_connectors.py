@@ -95,6 +95,17 @@ class LeaksOnAbortConnector(ExampleConnector):
         return super().request_finished(request, block_ids)
 
 
+class BareAssertOnAbortConnector(ExampleConnector):
+    """Fault: an internal check without a message fails when a request is aborted
+    (as vLLM 0.26.0's OffloadingConnector did on the H200 for a queued request)."""
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            stored_keys, planned_blocks = [1, 2], [1]
+            assert len(stored_keys) == len(planned_blocks)
+        return super().request_finished(request, block_ids)
+
+
 class DropsAllButFirstLoadConnector(ExampleConnector):
     """Fault: of the loads planned for one step, performs only the first."""
 

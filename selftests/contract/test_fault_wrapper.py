@@ -173,3 +173,4 @@ def test_profile_load_failure_faults_are_the_wrappers_load_modes(tmp_path) -> No
                     '[e2e]\nload_failure_fault = "lose_entry"\n')
     with pytest.raises(ProfileError, match="key e2e.load_failure_fault: 'lose_entry'"):
         load(str(prof))
+

@@ -40,6 +40,9 @@ CASES = {
         "answers a stale count from before the preemption", ""),
     "LeaksOnAbortConnector": ("test_abort and running and cpu", "(leaked blocks)",
                               ""),
+    "BareAssertOnAbortConnector": (
+        "test_abort and queued and cpu",
+        "(request_finished): assert len(stored_keys) == len(planned_blocks)", ""),
     "RaisesOnMissingFileConnector": (
         "test_store_fault and lose-recompute and cpu",
         "raised FileNotFoundError", ""),
@@ -113,6 +116,37 @@ def test_control_connector_passes_the_preemption_scenario(tmp_path) -> None:
     assert proc.returncode == 0 and "1 passed" in out, (
         "the defect-free base of StaleCountAfterPreemptionConnector must pass the "
         f"preemption scenario. Output tail:\n{out[-3000:]}")
+
+
+def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
+    """Model Runner V2's scheduler sends resumed requests as new ones (vLLM's
+    default on CUDA in 0.26.0); the preemption scenario must still see the
+    resumption instead of calling itself vacuous (on the H200: "the worker never
+    saw the preempted request resumed" for cpu-offload's CUDA variant)."""
+    from tvc import contract as C
+    from tvc.contract import scenarios as S
+    from tvc.profile import load
+
+    prof = tmp_path / "control.toml"
+    prof.write_text(PROFILE.format(
+        cls="ClampedExampleConnector", store=tmp_path / "store",
+        scratch=tmp_path / "scratch", rule=EXAMPLE_RULE, extra="").replace(
+            'module_path = "scenario_bad_connectors"',
+            'module_path = "selftests.contract.scenario_bad_connectors"'))
+    profile = load(str(prof))
+    rigs: list = []
+
+    def factory(**kw):
+        rig = C.make_rig(profile, profile.scratch / "contract", **kw)
+        if not hasattr(rig.scheduler, "use_v2_model_runner"):
+            pytest.skip("this vLLM's scheduler has no use_v2_model_runner switch")
+        rig.scheduler.use_v2_model_runner = True  # resumed requests go out as new
+        rigs.append(rig)
+        return rig
+
+    out = S.preemption_and_resume(factory, profile)
+    assert out["preempted"] >= 1 and rigs[-1].worker is not None
+    assert rigs[-1].worker.resumed, "the worker never recorded the resumed request"
 
 
 def test_vacuous_plan_is_an_error_naming_the_chunk(tmp_path) -> None:

@@ -28,7 +28,9 @@ computed), ``recompute-garbage`` (logs it, output wrong), ``recompute-silent``
 (output right, nothing logged: the fault never fired), ``fail`` (logs "Failing 1
 request(s) due to KV load failure", a 500 error event in the stream / HTTP 500),
 ``fail-garbage`` (logs it, answers tokens instead of an error), ``fail-dies`` (the
-error, then the server process exits).
+error, then the server process exits), ``fail-empty`` (logs it, then ends the stream
+with a usage chunk and no token, no error: vLLM 0.26.0 with an asynchronously
+loading connector on the H200).
 
 Always starts a grandchild (``sleep``) in its process group and writes
 ``{"server": pid, "child": pid}`` to ``FAKE_VLLM_PIDS``; writes argv and the
@@ -233,6 +235,16 @@ class H(BaseHTTPRequestHandler):
             self._send(500, json.dumps(ERROR_BODY))
             if error == "fail-dies":
                 die_soon()
+            return
+        if error == "fail-empty" and body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            usage = {"choices": [], "usage": {"prompt_tokens": len(prompt),
+                                              "completion_tokens": 0}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+                             .encode())
+            self.wfile.flush()
             return
         if error:
             self.send_response(200)

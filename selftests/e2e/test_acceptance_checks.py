@@ -267,6 +267,14 @@ def test_fail_policy_answering_tokens_instead_of_an_error_is_caught(tmp_path,
         load_failure(tmp_path, baseline, "fail-garbage", "fail")
 
 
+def test_fail_policy_ending_with_an_empty_stream_is_caught_and_named(tmp_path,
+                                                                    baseline):
+    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=fail, async "
+                       r"scheduling on: pass 2 ended with an empty stream and no "
+                       r"error .* cannot tell the request failed; vLLM did log"):
+        load_failure(tmp_path, baseline, "fail-empty", "fail")
+
+
 def test_fail_policy_that_takes_the_server_down_is_caught(tmp_path, baseline):
     with pytest.raises(AssertionError, match=r"(/health did not answer 200 after "
                        r"the failed load|the request after the failed load did not "

@@ -68,7 +68,8 @@ def _run(fn, *args, record_property=None, **kw):
     except S.ScenarioError as exc:
         pytest.fail(str(exc), pytrace=False)
     except AssertionError as exc:
-        raise AssertionError(f"scenario {fn.__name__}: {exc}") from exc
+        raise AssertionError(f"scenario {fn.__name__}: {S.describe_failure(exc)}"
+                             ) from exc
     if record_property is not None:
         record_property("scenario", out)
     return out

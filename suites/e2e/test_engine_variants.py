@@ -81,6 +81,10 @@ def test_engine_variant_hits_and_matches_its_baseline(
             f"chunked_prefill variant: the prompt ({len(prompt)} tokens) must be "
             f"longer than --max-num-batched-tokens {acc.CHUNKED_BATCH_TOKENS}")
     if v.scenario_metric:
+        assert r.pass2.metrics_after.has(v.scenario_metric), (
+            f"{variant}: this vLLM does not export {v.scenario_metric} on /metrics; "
+            "the variant cannot prove its feature ran (see the server log "
+            f"{srv.log_path})")
         seen = r.pass2.metrics_after.value(v.scenario_metric)
         record_property(v.scenario_metric, seen)
         assert seen > 0, (

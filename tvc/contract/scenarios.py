@@ -27,8 +27,10 @@ and the profile, and returns a summary dict (recorded as a test property).
 
 from __future__ import annotations
 
+import linecache
 import random
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,6 +56,32 @@ class ScenarioError(Exception):
 
 class NotApplicable(Exception):  # noqa: N818 - reads as a reason to skip
     """The scenario does not apply to this connector or box (message says why)."""
+
+
+def describe_failure(exc: AssertionError) -> str:
+    """An assertion's message, or where it was raised when it has none.
+
+    A bare ``assert`` inside the connector or vLLM (e.g. OffloadingConnector's
+    ``assert len(offload_keys) == len(offload_block_ids)``) carries no message; the
+    report then names the innermost frame and its source line instead of an empty
+    string.
+
+    Args:
+        exc: the assertion error caught around a scenario.
+
+    Returns:
+        ``str(exc)`` when it is not empty, else ``"assertion failed in
+        <file>:<line> (<function>): <source line>"``.
+
+    """
+    text = str(exc).strip()
+    if text or exc.__traceback__ is None:
+        return text or "assertion failed (no message, no traceback)"
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    return (f"assertion failed in {frame.filename}:{frame.lineno} ({frame.name}): "
+            f"{line} — an internal check of the code under test, not a message of "
+            "this suite")
 
 
 # ------------------------------------------------------------------ planning

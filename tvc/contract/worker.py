@@ -414,6 +414,14 @@ class ConnectorWorker:
         """Update block tables; return (req_id, start, end) token ranges computed."""
         work = []
         for nr in so.scheduled_new_reqs:
+            if nr.req_id in self.block_table:
+                # a known request sent again as new: resumed after preemption.
+                # With Model Runner V2 (vLLM's default on CUDA in 0.26.0) the
+                # scheduler sends resumed requests as new ones
+                # (vllm/v1/core/sched/scheduler.py: `if self.use_v2_model_runner:
+                # scheduled_new_reqs.extend(scheduled_resumed_reqs)`)
+                self.loaded.pop(nr.req_id, None)
+                self.resumed.append(nr.req_id)
             self.block_table[nr.req_id] = list(nr.block_ids[0])
             self.tokens[nr.req_id] = list(nr.prompt_token_ids or [])
             n = so.num_scheduled_tokens[nr.req_id]

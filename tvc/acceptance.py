@@ -189,7 +189,7 @@ class PromptBook:
         return [rng.randrange(lo, hi) for _ in range(n)]
 
     def repetitive_tokens(self, key: str, n: int) -> list[int]:
-        """``n`` tokens: a seeded permutation of the token range, repeated (n-gram food).
+        """``n`` tokens: a seeded permutation of the token range, repeated.
 
         Every id of ``[lo, hi)`` occurs (when ``n >= hi - lo``), so whatever token a
         model generates within the range, an n-gram proposer with

@@ -194,9 +194,9 @@ class PromptBook:
         Every id of ``[lo, hi)`` occurs (when ``n >= hi - lo``), so whatever token a
         model generates within the range, an n-gram proposer with
         ``prompt_lookup_min = 1`` finds it in the context and proposes what followed
-        it. (A short repeated pattern does not do this with a random-weight model:
-        on the H200 its outputs left the pattern at once and vLLM 0.26.0 proposed
-        no draft token at all.)
+        it. (With a 24-token pattern repeated and ``prompt_lookup_min = 2``, vLLM
+        0.26.0 on the H200 proposed no draft token at all for the tiny
+        random-weight model.)
         """
         lo, hi = self.token_range
         unit = list(range(lo, hi))

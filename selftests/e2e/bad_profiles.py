@@ -15,6 +15,35 @@ from tvc.profile import BUILTIN_DIR
 HERE = Path(__file__).resolve().parent  # the faulty connectors' modules live here
 
 
+def write_extending_profile(tmp_path: Path, *, name: str, base: str,
+                            description: str, body: str) -> Path:
+    """Write ``<tmp_path>/<name>.toml``: built-in ``base`` plus ``body``'s tables.
+
+    Args:
+        tmp_path: folder of the profile; its ``scratch/`` is the run's scratch.
+        name: profile name (and file stem).
+        base: a built-in profile (``example``, ``cpu-offload``...).
+        description: one line for the reports.
+        body: TOML tables to add or override (e.g. a ``[connector]`` table).
+
+    Returns:
+        the profile path.
+
+    """
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f"""\
+[profile]
+name = "{name}"
+description = "{description}"
+extends = "{BUILTIN_DIR / (base + '.toml')}"
+
+{body}
+[scratch]
+dir = "{tmp_path / 'scratch'}"
+""")
+    return path
+
+
 def write_bad_connector_profile(tmp_path: Path, *, name: str, connector: str,
                                 module: str, description: str) -> Path:
     """Write ``<tmp_path>/<name>.toml``: example with ``connector`` from ``module``.
@@ -23,22 +52,13 @@ def write_bad_connector_profile(tmp_path: Path, *, name: str, connector: str,
         the profile path; run it with :func:`bad_connector_env` on PYTHONPATH.
 
     """
-    path = tmp_path / f"{name}.toml"
-    path.write_text(f"""\
-[profile]
-name = "{name}"
-description = "{description}"
-extends = "{BUILTIN_DIR / 'example.toml'}"
-
+    return write_extending_profile(tmp_path, name=name, base="example",
+                                   description=description, body=f"""\
 [connector]
 name = "{connector}"
 module_path = "{module}"
 extra_config = {{ shared_storage_path = "${{SCRATCH}}/{name}-store" }}
-
-[scratch]
-dir = "{tmp_path / 'scratch'}"
 """)
-    return path
 
 
 def bad_connector_env() -> dict[str, str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from selftests.conftest import run_suite
-from tvc.profile import BUILTIN_DIR
+from selftests.e2e.bad_profiles import write_extending_profile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 
@@ -40,20 +40,10 @@ CASES = [
 
 
 def write_profile(tmp_path: Path, base: str, mode: str) -> Path:
-    path = tmp_path / f"{base}-{mode}.toml"
-    path.write_text(f"""\
-[profile]
-name = "{base}-{mode.replace('_', '-')}"
-description = "{base} whose failed loads are reported wrongly ({mode})"
-extends = "{BUILTIN_DIR / (base + '.toml')}"
-
-[e2e]
-load_failure_fault = "{mode}"
-
-[scratch]
-dir = "{tmp_path / 'scratch'}"
-""")
-    return path
+    return write_extending_profile(
+        tmp_path, name=f"{base}-{mode.replace('_', '-')}", base=base,
+        description=f"{base} whose failed loads are reported wrongly ({mode})",
+        body=f'[e2e]\nload_failure_fault = "{mode}"\n')
 
 
 @pytest.mark.parametrize(("base", "mode", "case", "expected"), CASES,

@@ -26,6 +26,7 @@ class FakeItem:
     def __init__(self, nodeid: str) -> None:
         self.nodeid = nodeid
         self.marks: list[Any] = []
+        self.stash = pytest.Stash()
 
     def add_marker(self, mark: Any) -> None:
         self.marks.append(mark)
@@ -127,3 +128,27 @@ vllm = "<0.1"
     other = run.test("test_torch_matches_vllm_pin")
     assert other["outcome"] == "passed", (
         f"an entry for vllm <0.1 must not apply to vLLM {version}: {other}")
+
+
+def test_a_setup_error_of_a_known_failure_stays_an_error(tmp_path: Path) -> None:
+    """pytest's xfail also swallows setup errors; a known failure must not: here the
+    strict GPU requirement fails the listed e2e test in setup (no GPU on this box),
+    and the run must show that error, not "xfailed"."""
+    test = ("suites/e2e/test_external_prefix_hit.py::"
+            "test_second_pass_is_served_from_connector_with_identical_output")
+    path = _profile(tmp_path, f'''
+[[known_failures]]
+test = "{test}"
+reason = "pretend upstream defect"
+link = "https://github.com/vllm-project/vllm/issues/99997"
+''')
+    run = run_suite([test, f"--tvc-profile={path}", "--tvc-require", "gpu", "-rA"],
+                    tmp_path / "r")
+    t = run.test("test_second_pass_is_served_from_connector_with_identical_output")
+    if t["outcome"] == "passed":
+        pytest.skip("this box has a GPU: the setup does not fail here")
+    assert t["outcome"] == "error", (
+        f"a strict-mode setup failure of a known-failure test was reported as "
+        f"{t['outcome']}: {t['message']}")
+    assert "strict mode" in t["message"] and "GPU" in t["message"], t["message"]
+    assert run.rc == 1, run.tail()

@@ -1,0 +1,75 @@
+"""``scripts/certify.sh``: the one-command certification wrapper (no GPU needed).
+
+Dry runs check the pytest command it builds (strict levels from the profile, every
+tier, xdist workers); usage errors exit 2 with one line, a bad profile 4; a real
+run on this box with a ``-k`` selection passes but is not called a certification.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CERTIFY = REPO / "scripts" / "certify.sh"
+
+pytestmark = pytest.mark.hw_any
+
+
+def certify(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(CERTIFY), *args], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.parametrize(("profile", "require"), [
+    ("example", "gpu"), ("pd-example", "gpu,gpu2"), ("lab-disk", "gpu,nvme")])
+def test_dry_run_requires_the_profiles_hardware(profile, require) -> None:
+    r = certify(profile, CERTIFY_DRY_RUN="1")
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip().splitlines()[-1])  # printed with %q
+    assert f"--tvc-require={require}" in cmd, cmd
+    for tier in ("level1", "level2", "contract", "e2e", "bandwidth", "trace"):
+        assert f"suites/{tier}" in cmd, cmd
+
+
+def test_workers_default_to_four_and_zero_turns_xdist_off() -> None:
+    pytest.importorskip("xdist")
+    assert " -n 4 " in certify("example", CERTIFY_DRY_RUN="1").stdout
+    assert " -n " not in certify("example", CERTIFY_DRY_RUN="1",
+                                 CERTIFY_WORKERS="0").stdout
+
+
+@pytest.mark.parametrize(("args", "env", "rc", "text"), [
+    (["example", "--collect-only"], {}, 2, "--collect-only runs no test"),
+    (["example"], {"CERTIFY_WORKERS": "abc"}, 2, "CERTIFY_WORKERS=abc"),
+    (["nosuch"], {}, 4, "certify: profile 'nosuch': no such built-in profile"),
+])
+def test_usage_errors_are_one_line(args, env, rc, text) -> None:
+    r = certify(*args, **env)
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr)
+    assert text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_relative_profile_path_is_read_from_the_callers_folder(tmp_path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mine.toml").write_text(
+        f'[profile]\nname = "mine"\nextends = "example"\n'
+        f'[scratch]\ndir = "{tmp_path}/scratch"\n')
+    r = certify("p/mine.toml", cwd=tmp_path, CERTIFY_DRY_RUN="1")
+    assert r.returncode == 0, r.stderr
+    assert f"--tvc-profile={tmp_path}/p/mine.toml" in r.stdout
+
+
+def test_a_selection_passes_but_is_not_a_certification(tmp_path) -> None:
+    r = certify("example", "-k", "test_python_satisfies_vllm_requires_python",
+                CERTIFY_WORKERS="0", TVC_REPORTS_ROOT=str(tmp_path))
+    last = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "PASSED a selection (-k), not certified" in last, last
+    assert "CERTIFIED" not in last

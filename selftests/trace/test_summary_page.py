@@ -110,9 +110,9 @@ def test_page_renders_tiers_reasons_trace_and_bandwidth(tmp_path: Path) -> None:
     assert set(out) == {"markdown", "html", "ttft", "bandwidth"}
     md = out["markdown"].read_text()
     assert md.startswith("# Conformance run: FAIL")
-    assert "| level1 | 1 | 1 | 0 | 0 |" in md
+    assert "| level1 | 1 | 1 | 0 | 0 | 0 | 0 |" in md
     assert "| real_nvme | 0 | 0 | 0 | 0 | 2 | 0 |" in md  # passed..not_run columns
-    assert "| other | 0 | 0 | 0 | 1 |" in md
+    assert "| other | 0 | 0 | 0 | 0 | 1 | 0 |" in md
     assert "`test_torch_matches_vllm_pin`: torch 2.13.0 installed" in md
     assert "`test_a` and `test_b` (2 tests): no CUDA GPU" in md  # merged, all named
     assert "- **profile file**: /work/profiles/example.toml" in md

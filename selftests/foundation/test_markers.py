@@ -6,8 +6,11 @@ markers; nothing runs. markers.ini is the source of the tier and hardware names.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+import pytest
 
 from selftests.conftest import run_suite
 from selftests.foundation import fakes
@@ -76,3 +79,7 @@ def test_parse_require() -> None:
     assert parse_require(" gpu , ") == {"gpu"}
     assert parse_require("cuda,real_nvme") == {"gpu", "nvme"}
     assert parse_require("ALL") == {"gpu", "nvme"}
+    assert parse_require("gpu2") == {"gpu", "gpu2"}  # two GPUs implies one
+    for empty in ("", " , "):
+        with pytest.raises(argparse.ArgumentTypeError, match="names no hardware"):
+            parse_require(empty)

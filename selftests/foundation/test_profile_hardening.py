@@ -42,9 +42,11 @@ def test_profile_name_cannot_leave_the_report_folder(tmp_path, name) -> None:
 
 
 @pytest.mark.parametrize("rule, where", [
-    ("len // (B - 32)", "B=32: division by zero"),
+    ("0 * (len // (B - 32))", "B=32: division by zero"),
     ("len ** 2", "unsupported element Pow"),
     ("len // (len - 1)", "len=1, B=1: division by zero"),
+    ("len + B", "gives 2 tokens at len=1, B=1; a hit is 0 to len tokens"),
+    ("len - 5 * B", "gives -16 tokens at len=64, B=16; a hit is 0 to len tokens"),
 ])
 def test_hit_rule_is_checked_over_lengths_and_block_sizes(tmp_path, rule,
                                                           where) -> None:

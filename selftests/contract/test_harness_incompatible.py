@@ -144,3 +144,21 @@ def test_incompatibility_while_running_is_an_error_even_when_xfail(
     _assert_errors_naming(run, "get_kv_cache_config_from_groups")
     assert "it planned 511 blocks for the memory of 512 blocks" in run.stdout
     assert "xfail" not in run.stdout.lower().split("short test summary")[-1]
+
+
+def test_a_connector_vllm_does_not_know_fails_in_one_line(tmp_path) -> None:
+    """vLLM's config refuses an unknown connector: one line naming it and vLLM's
+    version, no pydantic dump (P2pNcclConnector on vLLM 0.26-0.28 did that)."""
+    from selftests.conftest import run_suite
+
+    prof = tmp_path / "unknown.toml"
+    prof.write_text('[profile]\nname = "unknown"\n[connector]\nname = "NoSuchConnector"\n'
+                    f'[scratch]\ndir = "{tmp_path}/scratch"\n')
+    test = ("suites/contract/test_scenarios.py::"
+            "test_local_prefix_cache_hit_then_external_hit")
+    run = run_suite([test, f"--tvc-profile={prof}", "-k", "cpu"], tmp_path / "r")
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    assert t["outcome"] == "failed", t
+    assert "refuses the profile's kv_transfer_config for NoSuchConnector" in (
+        t["message"]), t["message"]
+    assert "pydantic" not in t["message"] and "input_value" not in t["message"]

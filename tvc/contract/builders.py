@@ -32,6 +32,41 @@ DEFAULT_NUM_BLOCKS = 512  # GPU KV blocks in the scheduler's pool (real capacity
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens
 
 
+class ConnectorConfigRefused(AssertionError):
+    """vLLM's own config classes refuse the profile's kv_transfer_config.
+
+    An ``AssertionError`` (a failure of the target, not of the suite), with one
+    line: the connector, vLLM's version, and vLLM's first complaint without
+    pydantic's dump of every argument.
+
+    Args:
+        kv_transfer_config: the dict given to ``KVTransferConfig``.
+        exc: what vLLM raised (usually ``pydantic.ValidationError``).
+
+    """
+
+    def __init__(self, kv_transfer_config: Mapping[str, Any], exc: Exception) -> None:
+        errors = getattr(exc, "errors", None)
+        try:
+            first = errors()[0] if callable(errors) else None
+        except Exception:  # noqa: BLE001 - fall back to the text
+            first = None
+        if first:
+            where = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__")
+            why = str(first.get("msg", "")).removeprefix("Value error, ")
+            why = f"{where}: {why}" if where else why
+        else:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        from tvc.profile import installed_vllm_version
+
+        name = kv_transfer_config.get("kv_connector", "?")
+        super().__init__(
+            f"vLLM {installed_vllm_version() or '(unknown version)'} refuses the "
+            f"profile's kv_transfer_config for {name}: {why} — check "
+            "connector.name / connector.module_path (is the connector in this vLLM, "
+            "or importable?) and connector.kv_transfer")
+
+
 # --------------------------------------------------------------------------- builders
 def write_tiny_model(directory: Path, *, num_kv_heads: int = 2, head_size: int = 64,
                      num_layers: int = TINY_NUM_LAYERS, dtype: str = "float16"
@@ -128,12 +163,16 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     # a replayed run (same TVC_CONTRACT_NONCE) finds no KV of an earlier run.
     ktc = isolate_store_paths(kv_transfer_config or profile.kv_transfer_config(),
                               profile.scratch)
-    kt = KVTransferConfig(**ktc)
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                      cache_config=cache_config, kv_transfer_config=kt,
-                      device_config=DeviceConfig(device),
-                      parallel_config=ParallelConfig(
-                          tensor_parallel_size=tensor_parallel_size))
+    try:
+        kt = KVTransferConfig(**ktc)
+        return VllmConfig(model_config=model_config,
+                          scheduler_config=scheduler_config,
+                          cache_config=cache_config, kv_transfer_config=kt,
+                          device_config=DeviceConfig(device),
+                          parallel_config=ParallelConfig(
+                              tensor_parallel_size=tensor_parallel_size))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConnectorConfigRefused(ktc, exc) from None
 
 
 def layer_names(vllm_config: Any) -> list[str]:

@@ -152,7 +152,8 @@ def test_a_connector_vllm_does_not_know_fails_in_one_line(tmp_path) -> None:
     from selftests.conftest import run_suite
 
     prof = tmp_path / "unknown.toml"
-    prof.write_text('[profile]\nname = "unknown"\n[connector]\nname = "NoSuchConnector"\n'
+    prof.write_text('[profile]\nname = "unknown"\n'
+                    '[connector]\nname = "NoSuchConnector"\n'
                     f'[scratch]\ndir = "{tmp_path}/scratch"\n')
     test = ("suites/contract/test_scenarios.py::"
             "test_local_prefix_cache_hit_then_external_hit")

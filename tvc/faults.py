@@ -25,10 +25,9 @@ dict), delegates every method to it, and injects ONE kind of fault into every
     the same overwrite, but the block reported through
     ``get_block_ids_with_load_errors()`` is the one after the overwritten block
     (none when the loaded range is one block): a connector that reports its failed
-    loads wrongly. vLLM recomputes the wrong
-    block and keeps the overwritten one (a negative control for the e2e
-    load-failure test: under ``recompute`` the output must differ from the
-    baseline).
+    loads wrongly. vLLM recomputes from the reported block on and keeps the
+    overwritten one (a negative control for the e2e load-failure test: under
+    ``recompute`` the output must differ from the baseline).
 ``lose_entry``
     a lookup the inner connector answers with a hit is answered ``(0, False)``,
     as though the entry were evicted before the lookup; vLLM computes the prompt.

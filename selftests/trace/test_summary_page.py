@@ -230,3 +230,25 @@ def test_an_interrupted_run_is_not_called_a_pass() -> None:
     clean = {"run": {"exit_status": 0},
              "counts": {"passed": 3, "failed": 0, "skipped": 1, "error": 0}}
     assert verdict(clean)[0] == "PASS"
+
+
+def test_files_of_an_earlier_run_in_a_reused_folder_are_left_out(tmp_path: Path
+                                                                 ) -> None:
+    """A reused run folder still holds the earlier run's trace and bandwidth files;
+    they must not show as this run's figures."""
+    import os
+    import time
+
+    run = make_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["run"]["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                  time.gmtime())
+    (run / "summary.json").write_text(json.dumps(summary))
+    old = time.time() - 3600
+    for f in [*(run / "trace").glob("*.json"), run / "bandwidth.json"]:
+        os.utime(f, (old, old))
+    data = sp.load_run(run)
+    assert data["trace"] == {} and data["gain"] == {} and data["bandwidth_run"] == {}
+    assert "trace/ttft.json" in data["stale"] and "bandwidth.json" in data["stale"]
+    md = sp.write_page(run)["markdown"].read_text()
+    assert "older than this run" in md and "| 4 MiB |" not in md

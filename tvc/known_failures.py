@@ -63,6 +63,33 @@ def entries_for(profile: Profile, vllm_version: str | None = None
             if version_matches(version, e["vllm"])]
 
 
+def unmatched(items: Iterable[pytest.Item], profile: Profile,
+              vllm_version: str | None = None) -> list[str]:
+    """Entries that name a collected test file but none of its tests.
+
+    Such an entry is stale (the test was renamed or re-parametrized) and would
+    silently stop covering its defect. Entries whose file was not collected at all
+    (another tier, a ``-k``/path selection) are not reported.
+
+    Args:
+        items: the collected tests, before ``-k``/``-m`` deselection.
+        profile: the loaded profile.
+        vllm_version: as for :func:`entries_for`.
+
+    Returns:
+        the ``test`` globs of the stale entries.
+
+    """
+    ids = [i.nodeid for i in items]
+    out = []
+    for entry in entries_for(profile, vllm_version):
+        file = entry["test"].split("::")[0]
+        in_file = [n for n in ids if n.split("::")[0] == file]
+        if in_file and not any(known_failure_matches(entry, n) for n in in_file):
+            out.append(entry["test"])
+    return out
+
+
 KNOWN_FAILURE = pytest.StashKey[str]()  # item -> the known-failure glob that named it
 
 

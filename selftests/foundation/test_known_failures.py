@@ -152,3 +152,24 @@ link = "https://github.com/vllm-project/vllm/issues/99997"
         f"{t['outcome']}: {t['message']}")
     assert "strict mode" in t["message"] and "GPU" in t["message"], t["message"]
     assert run.rc == 1, run.tail()
+
+
+def test_an_entry_naming_no_test_of_a_collected_file_is_reported(tmp_path: Path
+                                                                 ) -> None:
+    """A renamed test would make its entry silently stop covering the defect."""
+    path = _profile(tmp_path, f'''
+[[known_failures]]
+test = "{INSTALL}::test_renamed_long_ago*"
+reason = "pretend upstream defect"
+link = "https://github.com/vllm-project/vllm/issues/99996"
+
+[[known_failures]]
+test = "suites/e2e/test_not_collected_here.py::test_x"
+reason = "another tier, not collected in this run"
+link = "https://github.com/vllm-project/vllm/issues/99995"
+''')
+    run = run_suite([PASSING, f"--tvc-profile={path}"], tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    assert (f"known failure '{INSTALL}::test_renamed_long_ago*' of {path} matches "
+            "no test of its file") in run.stdout, run.tail()
+    assert "test_not_collected_here" not in run.stdout

@@ -74,6 +74,23 @@ class WrongBlockConnector(ExampleConnector):
         super().start_load_kv(forward_context, **kwargs)
 
 
+class StrayWriteConnector(ExampleConnector):
+    """Fault: loads correctly, then also copies the first loaded token's KV into
+    the same slot of the cache's last block, which the request does not own."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        for req in meta.requests:
+            if req.is_store or not len(req.slot_mapping):
+                continue
+            name = next(iter(forward_context.no_compile_layers))
+            kv = forward_context.no_compile_layers[name].kv_cache
+            slot = int(req.slot_mapping[0])
+            row = kv[slot // self._block_size, :, slot % self._block_size]
+            kv[kv.shape[0] - 1, :, slot % self._block_size] = row
+
+
 class WrongLayerConnector(ExampleConnector):
     """Fault: loads each layer's KV into the next layer (first into the last)."""
 

@@ -26,6 +26,8 @@ CASES = {
                                 "does not hold the KV that was stored"),
     "WrongBlockConnector": (WORKER,
                             "does not hold the KV that was stored"),
+    "StrayWriteConnector": (WORKER,
+                            "does not own, changed during the load"),
     "WrongLayerConnector": (WORKER,
                             "does not hold the KV that was stored"),
     "NeverHitConnector": ("test_second_pass_matches_declared_hit_rule",

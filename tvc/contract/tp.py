@@ -173,23 +173,9 @@ class TPRankWorker(ConnectorWorker):
                 f"{first + count - 1} of {self.total_kv_heads}), {msg}")
 
     def stray_block(self, req_id: str) -> str:
-        """'' when only ``req_id``'s blocks hold non-zero KV, else a sentence."""
-        import torch
-
-        own = set(self.block_table.get(req_id, ()))
-        for name, kv in self.kv_caches.items():
-            nb = kv.shape[0] if kv.dim() == 4 else kv.shape[1]
-            others = torch.tensor(sorted(set(range(nb)) - own), dtype=torch.long,
-                                  device=kv.device)
-            stray = (kv[others] if kv.dim() == 4 else kv[:, others]).ne(0)
-            if bool(stray.any()):
-                idx = stray.reshape(stray.shape[0], -1).any(dim=1) if kv.dim() == 4 \
-                    else stray.transpose(0, 1).reshape(len(others), -1).any(dim=1)
-                bad = int(others[idx.nonzero()[0]].item())
-                return (f"rank {self.rank}: layer {name}: block {bad}, which request "
-                        f"{req_id} does not own, changed during the load — the "
-                        "connector writes into the wrong block")
-        return ""
+        """:meth:`ConnectorWorker.stray_block`, the message naming the rank."""
+        msg = super().stray_block(req_id)
+        return f"rank {self.rank}: {msg}" if msg else ""
 
     def execute(self, so: Any, meta: Any) -> Any:
         """One step (see :meth:`ConnectorWorker.execute`), plus the rank fault."""

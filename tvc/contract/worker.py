@@ -454,6 +454,32 @@ class ConnectorWorker:
         bad = self.first_mismatch(req_id, start, end)
         return bad[1] if bad else ""
 
+    def stray_block(self, req_id: str) -> str:
+        """Check that only ``req_id``'s blocks hold non-zero KV (caches zeroed first).
+
+        Returns:
+            '' when every block outside ``block_table[req_id]`` is all zeros in
+            every layer, else a sentence naming the layer and the first such block.
+
+        """
+        import torch
+
+        own = set(self.block_table.get(req_id, ()))
+        for name, kv in self.kv_caches.items():
+            per_layer = kv.dim() == 4  # [num_blocks, ...]; else [2, num_blocks, ...]
+            nb = kv.shape[0] if per_layer else kv.shape[1]
+            others = torch.tensor(sorted(set(range(nb)) - own), dtype=torch.long,
+                                  device=kv.device)
+            stray = (kv[others] if per_layer else kv[:, others]).ne(0)
+            if bool(stray.any()):
+                idx = (stray.reshape(stray.shape[0], -1).any(dim=1) if per_layer
+                       else stray.transpose(0, 1).reshape(len(others), -1).any(dim=1))
+                bad = int(others[idx.nonzero()[0]].item())
+                return (f"layer {name}: block {bad}, which request {req_id} does not "
+                        "own, changed during the load — the connector writes into "
+                        "the wrong block")
+        return ""
+
     def first_mismatch(self, req_id: str, start: int, end: int
                        ) -> tuple[int, str] | None:
         """The first token of [start, end) that does not hold the pattern.

@@ -33,14 +33,16 @@ shift
 case $profile in
   */*|*.toml) [ -e "$profile" ] && profile=$(cd "$(dirname "$profile")" && pwd)/$(basename "$profile") ;;
 esac
-# Arguments that run no test cannot certify anything; selections certify a part.
+# Arguments that run no test cannot certify anything; selections certify a part:
+# files left out of collection are seen here, everything pytest deselects (-k, -m
+# in any spelling, --deselect, ...) in the run's summary.json after the run.
 partial=()
 for a in "$@"; do
   case $a in
     --co|--collect-only|-h|--help|--version|-V|--fixtures|--fixtures-per-test|--markers|--setup-plan)
       echo "certify: $a runs no test, so it cannot certify; run pytest with it directly" >&2
       exit 2 ;;
-    -k|-k*|-m|-m*|--deselect|--deselect=*|--lf|--last-failed|--sw|--stepwise|--ignore|--ignore=*)
+    --ignore|--ignore=*|--ignore-glob|--ignore-glob=*)
       partial+=("$a") ;;
   esac
 done
@@ -110,6 +112,27 @@ t0=$(date +%s)
 "${cmd[@]}"
 rc=$?
 dt=$(( $(date +%s) - t0 ))
+# What pytest itself selected away (-k/-m in any spelling, e.g. -qk; --deselect,
+# --lf, another plugin), from the run's summary.json: the argument scan above
+# cannot parse every spelling. The suite's own deselection of device variants the
+# connector cannot run ("[cpu] worker variants: ...") is not a user selection.
+narrowed=$("$py" - "$run_dir/summary.json" <<'EOF'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit(0)
+run = s.get("run") or {}
+why = [f"-k {run['keyword']!r}"] if run.get("keyword") else []
+why += [f"-m {run['markexpr']!r}"] if run.get("markexpr") else []
+n = sum(d.get("count", 0) for d in s.get("deselected") or []
+        if not str(d.get("why", "")).startswith("["))
+if n:
+    why.append(f"{n} test(s) deselected")
+print(", ".join(why))
+EOF
+)
+[ -n "$narrowed" ] && partial+=("$narrowed")
 if [ $rc -ne 0 ]; then verdict="NOT certified"
 elif [ ${#partial[@]} -gt 0 ]; then verdict="PASSED a selection (${partial[*]}), not certified"
 else verdict=CERTIFIED

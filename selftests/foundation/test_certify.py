@@ -66,10 +66,17 @@ def test_a_relative_profile_path_is_read_from_the_callers_folder(tmp_path) -> No
     assert f"--tvc-profile={tmp_path}/p/mine.toml" in r.stdout
 
 
-def test_a_selection_passes_but_is_not_a_certification(tmp_path) -> None:
-    r = certify("example", "-k", "test_python_satisfies_vllm_requires_python",
-                CERTIFY_WORKERS="0", TVC_REPORTS_ROOT=str(tmp_path))
+@pytest.mark.parametrize("spelling", [
+    ["-k", "test_python_satisfies_vllm_requires_python"],
+    ["-qk", "test_python_satisfies_vllm_requires_python"],  # fresh-user finding
+    ["-k=test_python_satisfies_vllm_requires_python"],
+], ids=["k", "qk", "k="])
+def test_a_selection_passes_but_is_not_a_certification(tmp_path, spelling) -> None:
+    r = certify("example", *spelling, CERTIFY_WORKERS="0",
+                TVC_REPORTS_ROOT=str(tmp_path))
     last = r.stdout.strip().splitlines()[-1]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "PASSED a selection (-k), not certified" in last, last
+    assert ("PASSED a selection (-k 'test_python_satisfies_vllm_requires_python', "
+            in last), last
+    assert "test(s) deselected), not certified" in last, last
     assert "CERTIFIED" not in last

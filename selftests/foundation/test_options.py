@@ -63,6 +63,29 @@ def test_bad_seed_is_an_argparse_error_naming_the_option(tmp_path) -> None:
     assert "argument --tvc-seed: 'abc' is not an integer" in run.stdout, run.tail()
 
 
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--tvc-profile=", "argument --tvc-profile: empty value"),
+    ("--tvc-report-dir= ", "argument --tvc-report-dir: empty value"),
+    ("--tvc-trace-max-requests=-3", "argument --tvc-trace-max-requests: '-3' is "
+                                    "not above zero"),
+    ("--tvc-trace-concurrency=0", "argument --tvc-trace-concurrency: '0' is not "
+                                  "above zero"),
+    ("--tvc-trace-max-duration=nan", "argument --tvc-trace-max-duration: 'nan' is "
+                                     "not above zero"),
+    ("--tvc-trace-time-scale=-1", "argument --tvc-trace-time-scale: '-1' is "
+                                  "negative"),
+    ("--trace-max-requests=x", "argument --trace-max-requests: 'x' is not an "
+                               "integer"),
+], ids=lambda v: v if v.startswith("--") else "")
+def test_bad_option_values_are_argparse_errors_naming_the_option(
+        tmp_path, arg, message) -> None:
+    """Fresh-user finding: an empty --tvc-profile ran the default profile unseen and
+    a negative --tvc-trace-max-requests was accepted."""
+    run = run_suite([*write_tests(tmp_path / "t", SEED_TEST), arg], tmp_path / "r")
+    assert run.rc == 4 and run.summary is None, run.tail()
+    assert message in run.stdout, run.tail()
+
+
 def test_random_seed_differs_per_run_and_xdist_workers_share_it(tmp_path) -> None:
     if importlib.util.find_spec("xdist") is None:
         pytest.skip("pytest-xdist is not installed: pip install pytest-xdist")

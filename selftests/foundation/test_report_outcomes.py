@@ -55,6 +55,16 @@ def test_run_dir_checks_name_the_problem(tmp_path) -> None:
     assert check_run_dir(tmp_path / "new" / "run") == ""
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    (earlier / "summary.json").write_text("{}")
+    (earlier / "summary.json").write_text('{"run": {}, "counts": {}, "tests": []}')
     assert check_run_dir(earlier) == ""
+    # A user's own summary.json / junit.xml is not an earlier run of the suite
+    # (fresh-user finding: both were overwritten).
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "summary.json").write_text('{"mine": 1}')
+    (theirs / "junit.xml").write_text("<testsuites/>")
+    assert "holds no earlier run of this suite" in check_run_dir(theirs)
+    (theirs / "summary.json").write_text("not json")
+    assert "holds no earlier run of this suite" in check_run_dir(theirs)
+    assert (theirs / "junit.xml").read_text() == "<testsuites/>"
     assert afile.read_text() == "user data"  # nothing of the user's was touched

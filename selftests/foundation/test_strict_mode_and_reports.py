@@ -169,3 +169,32 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["counts"]["skipped"] == 2
     assert (root / "latest").resolve() == run_dir.resolve()
+
+
+def test_selftest_run_is_filed_apart_and_never_becomes_latest(tmp_path) -> None:
+    """A run of the suite's own tests is not a conformance run (fresh-user finding).
+
+    ``pytest selftests`` used to write ``reports/<time>-example/`` titled
+    "Conformance run: PASS" with ``reports/latest`` pointing at it. Now it goes
+    under ``reports/selftests/``, says ``run.kind = "selftests"`` and its page title
+    says so; ``latest`` keeps naming the newest conformance run.
+    """
+    root = tmp_path / "reports"
+    root.mkdir()
+    (root / "latest").symlink_to("20260101-000000-example")  # an earlier real run
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TVC_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "selftests/foundation/test_markers.py",
+         "-k", "parse_require", "-p", "no:cacheprovider"], cwd=REPO_ROOT,
+        capture_output=True, text=True, check=False,
+        env={**env, "TVC_REPORTS_ROOT": str(root)})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    runs = list((root / "selftests").iterdir())
+    assert len(runs) == 1, f"expected one folder under {root}/selftests: {runs}"
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["run"]["kind"] == "selftests"
+    assert summary["counts"]["passed"] == 1
+    page = (runs[0] / "summary.md").read_text()
+    assert page.startswith("# Suite self-test run"), page[:200]
+    assert os.readlink(root / "latest") == "20260101-000000-example"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "selftests"]

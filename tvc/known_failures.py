@@ -1,4 +1,4 @@
-"""Known upstream defects of a target, run as strict xfails.
+r"""Known upstream defects of a target, run as strict xfails.
 
 A profile lists them as ``[[known_failures]]`` tables (validated by
 :mod:`tvc.profile`)::
@@ -8,13 +8,17 @@ A profile lists them as ``[[known_failures]]`` tables (validated by
     reason = "ExampleConnector drops the hit under concurrent identical prompts"
     link = "https://github.com/vllm-project/vllm/issues/NNNNN"             # required
     vllm = "<0.29"                                     # optional PEP 440 specifier
+    match = "returned -\\d+, a negative token count"    # optional: the symptom
 
 Each collected test whose node id matches ``test`` (an exact node id, brackets
 included, or an fnmatch glob), on a vLLM in ``vllm``, gets
 ``pytest.mark.xfail(strict=True)``: it still runs, its failure is reported as the
 known defect with the link, and when it passes (the defect is fixed) the run fails
 with XPASS(strict) and a message that tells the user to drop the entry, so stale
-entries cannot hide a regression for long.
+entries cannot hide a regression for long. With ``match``, only a failure whose text
+(exception and message) contains that regex is the known defect; any other failure
+of the test (a new fault of a connector that inherits the entry through
+``extends``) is reported as a failure that names the entry.
 """
 
 from __future__ import annotations
@@ -91,6 +95,48 @@ def unmatched(items: Iterable[pytest.Item], profile: Profile,
 
 
 KNOWN_FAILURE = pytest.StashKey[str]()  # item -> the known-failure glob that named it
+SYMPTOM = pytest.StashKey[str]()  # item -> the entry's ``match`` regex ('' = any)
+SYMPTOM_SEARCH_TIMEOUT_S = 1.0  # per failure text; patterns are probed at load
+
+
+def check_symptom(item: pytest.Item, call: pytest.CallInfo[Any],
+                  report: pytest.TestReport) -> None:
+    """Report a known failure's test as failed when its failure is another one.
+
+    Args:
+        item: the test.
+        call: the phase's call info; only the call phase with an exception counts.
+        report: the report pytest's skipping plugin has just xfailed; changed in
+            place to ``failed`` when the entry has a ``match`` regex that the
+            failure's text (``exconly()`` and the report's long text) does not
+            contain, with a line naming the entry appended.
+
+    """
+    pattern = item.stash.get(SYMPTOM, "")
+    if not (pattern and call.when == "call" and call.excinfo is not None
+            and report.skipped and hasattr(report, "wasxfail")):
+        return
+    import regex
+
+    text = f"{call.excinfo.exconly()}\n{report.longreprtext}"
+    try:
+        found = regex.search(pattern, text, timeout=SYMPTOM_SEARCH_TIMEOUT_S)
+    except (TimeoutError, regex.error):
+        found = None
+    if found is not None:
+        return
+    report.outcome = "failed"
+    del report.wasxfail
+    note = (f"not the known failure {item.stash.get(KNOWN_FAILURE, '?')!r}: its "
+            f"match {pattern!r} is not in this failure, so this is another fault "
+            "(e.g. of a connector that inherits the entry through extends); fix it, "
+            "or widen the entry's match if it is the same defect")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:  # the one-line message (short summary, summary.json)
+        crash.message = f"{crash.message} [{note}]"
+        report.sections.append(("known failure", note))
+    else:
+        report.longrepr = f"{report.longreprtext}\n\n{note}"
 
 
 def keep_setup_errors(item: pytest.Item, call: pytest.CallInfo[Any],
@@ -139,6 +185,7 @@ def apply(items: Iterable[pytest.Item], profile: Profile,
                 item.add_marker(pytest.mark.xfail(
                     strict=True, reason=xfail_reason(entry, profile)))
                 item.stash[KNOWN_FAILURE] = entry["test"]
+                item.stash[SYMPTOM] = entry.get("match", "")
                 marked.append((item.nodeid, entry["test"]))
                 break
     return marked

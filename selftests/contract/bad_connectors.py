@@ -44,6 +44,16 @@ class PhantomHitConnector(ExampleConnector):
         return max(0, n - num_computed_tokens), False
 
 
+class LongPromptRaisesConnector(ExampleConnector):
+    """Fault: its lookup raises for prompts over 512 tokens (a fixed-size key
+    buffer, say): only a contract tier that sends long prompts sees it."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if len(request.prompt_token_ids) > 512:
+            raise RuntimeError("lookup key buffer holds at most 512 tokens")
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
 class CorruptingLoadConnector(ExampleConnector):
     """Fault: flips one byte of the first loaded token in the first layer."""
 

@@ -22,6 +22,8 @@ CASES = {
                            "is not a multiple of the block size"),
     "PhantomHitConnector": ("test_cold_prompt_matches_nothing",
                             "reports hits it cannot load"),
+    "LongPromptRaisesConnector": ("test_second_pass_matches_declared_hit_rule",
+                                  "lookup key buffer holds at most 512 tokens"),
     "CorruptingLoadConnector": (WORKER,
                                 "does not hold the KV that was stored"),
     "WrongBlockConnector": (WORKER,

@@ -94,6 +94,10 @@ def test_vllm_specifier_limits_an_entry(tmp_path: Path, version: str,
      r"known_failures\[0\]\.vllm: '~~1' is not a PEP 440"),
     ('test = "suites/t"\nreason = "r"\nlink = "https://x/1"\nwhy = 1',
      r"unknown key known_failures\[0\]\.why"),
+    ('test = "suites/t"\nreason = "r"\nlink = "https://x/1"\nmatch = "(unclosed"',
+     r"known_failures\[0\]\.match: '\(unclosed' is not a valid regular"),
+    ('test = "suites/t"\nreason = "r"\nlink = "https://x/1"\nmatch = "(a+)+$"',
+     r"known_failures\[0\]\.match: .* backtracks catastrophically"),
 ])
 def test_bad_entries_are_one_line_errors(tmp_path: Path, entry: str,
                                          match: str) -> None:
@@ -173,3 +177,36 @@ link = "https://github.com/vllm-project/vllm/issues/99995"
     assert (f"known failure '{INSTALL}::test_renamed_long_ago*' of {path} matches "
             "no test of its file") in run.stdout, run.tail()
     assert "test_not_collected_here" not in run.stdout
+
+
+TENANT = ("suites/contract/test_scenarios.py::"
+          "test_tenant_isolation_cache_salt_and_lora[cpu]")
+
+
+@pytest.mark.parametrize(("symptom", "outcome"), [
+    ("the connector ignores (cache_salt|LoRA adapter) when keying its store",
+     "xfailed"),
+    ("returned -\\\\d+, a negative token count", "failed"),
+], ids=["its-symptom", "another-symptom"])
+def test_a_known_failure_covers_only_its_symptom(tmp_path: Path, symptom: str,
+                                                 outcome: str) -> None:
+    """With ``match``, only the named symptom is the known defect (fresh-user
+    finding: a new KeyError of a connector that inherited example's entries through
+    ``extends`` was reported as "known upstream defect" and the run was green).
+    ExampleConnector really fails the tenant test (it ignores cache_salt)."""
+    path = _profile(tmp_path, f'''
+[[known_failures]]
+test = "{TENANT}"
+reason = "pretend upstream defect"
+link = "https://github.com/vllm-project/vllm/issues/99996"
+match = "{symptom}"
+''')
+    run = run_suite([TENANT, f"--tvc-profile={path}", "-rA"], tmp_path / "r")
+    t = run.test("test_tenant_isolation_cache_salt_and_lora")
+    assert t["outcome"] == outcome, (t, run.tail())
+    if outcome == "failed":
+        assert run.rc == 1, run.tail()
+        assert "ignores cache_salt" in t["message"], t["message"]
+        assert f"not the known failure {TENANT!r}" in t["message"], t["message"]
+    else:
+        assert run.rc == 0, run.tail()

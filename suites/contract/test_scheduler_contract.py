@@ -18,7 +18,7 @@ from tvc import contract as C
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
 BLOCK_SIZES = (16, 32)  # issue 3 matrix
-PROMPT_BLOCKS = (1, 4)  # k in {k*B - 1, k*B, k*B + 1}
+PROMPT_BLOCKS = (1, 4, 64)  # k in {k*B - 1, k*B, k*B + 1}; 64: prompts of 1-2k tokens
 
 
 def _lengths(block_size: int, unit: int | None = None) -> list[int]:

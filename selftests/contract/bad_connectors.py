@@ -54,6 +54,15 @@ class LongPromptRaisesConnector(ExampleConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
+class NoneFinishedConnector(ExampleConnector):
+    """Fault: request_finished returns None instead of (delay_free_blocks,
+    kv_transfer_params); vLLM's scheduler fails unpacking it."""
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        super().request_finished(request, block_ids)
+        return None
+
+
 class CorruptingLoadConnector(ExampleConnector):
     """Fault: flips one byte of the first loaded token in the first layer."""
 

@@ -24,6 +24,8 @@ CASES = {
                             "reports hits it cannot load"),
     "LongPromptRaisesConnector": ("test_second_pass_matches_declared_hit_rule",
                                   "lookup key buffer holds at most 512 tokens"),
+    "NoneFinishedConnector": ("test_cold_prompt_matches_nothing",
+                              "vLLM could not use what request_finished returned"),
     "CorruptingLoadConnector": (WORKER,
                                 "does not hold the KV that was stored"),
     "WrongBlockConnector": (WORKER,

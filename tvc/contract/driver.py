@@ -6,6 +6,9 @@ transfer-acknowledging stand-in.
 
 from __future__ import annotations
 
+import linecache
+import re
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,68 @@ from tvc.contract.worker import JobAckWorker, unwrap_metadata
 # ---------------------------------------------------------------------------- driver
 class EngineStepError(AssertionError):
     """An exception escaped an engine step (the message names step and stage)."""
+
+
+# connector methods whose failures are load or save failures (vLLM's interface
+# for those: get_block_ids_with_load_errors / failed receives; a save is absorbed)
+LOAD_SAVE_METHODS = frozenset({
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+    "get_finished", "get_block_ids_with_load_errors"})
+LOAD_SAVE_ADVICE = ("A connector must report a failed load through vLLM's interface "
+                    "(get_block_ids_with_load_errors, failed receives) and absorb a "
+                    "failed save, never raise")
+_CALL = re.compile(r"connector\.(\w+)\(|\b(_connector_finished)\(")
+# vLLM's own wrappers whose return value is a connector method's, unchanged
+# (vllm/v1/core/sched/scheduler.py in 0.28 and 0.33: _free_request unpacks
+# self._connector_finished(request), which returns connector.request_finished(...))
+_WRAPPERS = {"_connector_finished": "request_finished"}
+
+
+def connector_call(exc: BaseException) -> tuple[str, str]:
+    """Which connector method an engine-step exception comes from, and what to do.
+
+    Walks the traceback from the innermost frame out: a frame of a
+    ``KVConnectorBase_V1`` method on a connector object means the method raised; a
+    vLLM line that calls ``connector.<method>(`` means vLLM failed on what the
+    method returned (e.g. unpacking ``request_finished``'s ``None``).
+
+    Args:
+        exc: the exception that escaped ``schedule`` / the worker step /
+            ``update_from_output``.
+
+    Returns:
+        ``(where, advice)``: ``where`` is ``""`` or ``" inside Cls.method
+        (file:line)"`` / ``" in vLLM's use of what connector.method() returned
+        (file:line: source)"``; ``advice`` is one sentence for that case.
+
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+        )
+    except ImportError:
+        return "", LOAD_SAVE_ADVICE
+    api = {n for n in dir(KVConnectorBase_V1) if not n.startswith("_")}
+    for frame, lineno in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        code = frame.f_code
+        me = frame.f_locals.get("self")
+        place = f"{code.co_filename}:{lineno}"
+        if code.co_name in api and isinstance(me, KVConnectorBase_V1):
+            method = code.co_name
+            where = f" inside {type(me).__name__}.{method} ({place})"
+            if method in LOAD_SAVE_METHODS:
+                return where, LOAD_SAVE_ADVICE
+            return where, (f"{method} must not raise: return what vLLM expects "
+                           "(e.g. 0 matched tokens) and log the cause")
+        m = _CALL.search(linecache.getline(code.co_filename, lineno))
+        method = m and (m.group(1) or _WRAPPERS.get(m.group(2) or "", ""))
+        if method and method in api:
+            line = linecache.getline(code.co_filename, lineno).strip()
+            return (f" in vLLM's use of what connector.{method}() returned "
+                    f"({place}: {line})",
+                    f"vLLM could not use what {method} returned: check it against "
+                    f"KVConnectorBase_V1.{method}'s documented return type")
+    return "", LOAD_SAVE_ADVICE
 
 
 @dataclass
@@ -130,12 +195,11 @@ class EngineDriver:
         except (AssertionError, WorkerReportMissing, WorkerReportError):
             raise  # a check's failure, or the rig's own set-up error
         except Exception as exc:
+            where, advice = connector_call(exc)
             raise EngineStepError(
                 f"engine step {self.num_steps} ({stage}) raised "
-                f"{type(exc).__name__}: {exc} — an exception escaped the engine "
-                "step. A connector must report a failed load through vLLM's "
-                "interface (get_block_ids_with_load_errors, failed receives) "
-                "and absorb a failed save, never raise") from exc
+                f"{type(exc).__name__}: {exc}{where} — an exception escaped the "
+                f"engine step. {advice}") from exc
         self.history.append(StepRecord(dict(so.num_scheduled_tokens),
                                        type(so.kv_connector_metadata).__name__,
                                        sorted(so.finished_req_ids)))

@@ -75,3 +75,29 @@ def test_suites_collect_without_vllm(tmp_path: Path):
     assert r.returncode == 0, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert "ImportError" not in out and "error" not in last, out[-3000:]
+
+
+def test_contract_only_run_without_the_connector_module_is_not_green(tmp_path: Path):
+    """Fresh-user finding: ``-m contract`` with a wrong ``module_path`` gave 106
+    skipped, exit 0, outcome "passed". Now the first contract test errors naming the
+    module and the fix; the rest skip pointing at it."""
+    prof = tmp_path / "badmod.toml"
+    prof.write_text(textwrap.dedent(f"""\
+        [profile]
+        name = "badmod"
+        extends = "{BUILTIN_DIR / 'example.toml'}"
+        [connector]
+        name = "MyConnector"
+        module_path = "tvc_no_such_connector_module"
+        [scratch]
+        dir = "{tmp_path / 'scratch'}"
+        """))
+    run = run_suite(["-m", "contract", f"--tvc-profile={prof}"], tmp_path / "r")
+    assert run.rc == 1, run.tail()
+    counts = run.summary["counts"]
+    assert counts["error"] == 1 and counts["passed"] == 0, counts
+    assert counts["skipped"] > 50, counts
+    assert run.summary["run"]["outcome"] == "failed"
+    err = next(t for t in run.summary["tests"] if t["outcome"] == "error")
+    assert "'tvc_no_such_connector_module'" in err["message"], err
+    assert "PYTHONPATH" in err["message"], err

@@ -16,6 +16,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 )
 
 
+def _first_loaded_rows(conn: ExampleConnector, forward_context: Any):
+    """Per loading request: (first layer's KV, block, offset, row) of its first
+    loaded token, in the harness's (num_blocks, H, B, 2*D) layout."""
+    for req in conn._get_connector_metadata().requests:
+        if req.is_store or not len(req.slot_mapping):
+            continue
+        name = next(iter(forward_context.no_compile_layers))
+        kv = forward_context.no_compile_layers[name].kv_cache
+        slot = int(req.slot_mapping[0])
+        block, offset = slot // conn._block_size, slot % conn._block_size
+        yield kv, block, offset, kv[block, :, offset]
+
+
 class CountsLastTokenConnector(ExampleConnector):
     """Fault: matches the whole prompt aligned down, including the last token."""
 
@@ -68,18 +81,10 @@ class CorruptingLoadConnector(ExampleConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
-        meta = self._get_connector_metadata()
-        for req in meta.requests:
-            if req.is_store or not len(req.slot_mapping):
-                continue
-            name = next(iter(forward_context.no_compile_layers))
-            kv = forward_context.no_compile_layers[name].kv_cache
-            slot = int(req.slot_mapping[0])
-            row = kv[slot // self._block_size, :, slot % self._block_size]
+        for kv, block, offset, row in _first_loaded_rows(self, forward_context):
             flat = row.contiguous().view(-1).view(dtype=__import__("torch").uint8)
             flat[0] ^= 0x01
-            kv[slot // self._block_size, :, slot % self._block_size] = flat.view(
-                row.dtype).view(row.shape)
+            kv[block, :, offset] = flat.view(row.dtype).view(row.shape)
 
 
 class WrongBlockConnector(ExampleConnector):
@@ -99,15 +104,8 @@ class StrayWriteConnector(ExampleConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
-        meta = self._get_connector_metadata()
-        for req in meta.requests:
-            if req.is_store or not len(req.slot_mapping):
-                continue
-            name = next(iter(forward_context.no_compile_layers))
-            kv = forward_context.no_compile_layers[name].kv_cache
-            slot = int(req.slot_mapping[0])
-            row = kv[slot // self._block_size, :, slot % self._block_size]
-            kv[kv.shape[0] - 1, :, slot % self._block_size] = row
+        for kv, _block, offset, row in _first_loaded_rows(self, forward_context):
+            kv[kv.shape[0] - 1, :, offset] = row
 
 
 class WrongLayerConnector(ExampleConnector):

@@ -94,8 +94,8 @@ def unmatched(items: Iterable[pytest.Item], profile: Profile,
     return out
 
 
-KNOWN_FAILURE = pytest.StashKey[str]()  # item -> the known-failure glob that named it
-SYMPTOM = pytest.StashKey[str]()  # item -> the entry's ``match`` regex ('' = any)
+# item -> the [[known_failures]] entry that named it
+KNOWN_FAILURE = pytest.StashKey[Mapping[str, Any]]()
 SYMPTOM_SEARCH_TIMEOUT_S = 1.0  # per failure text; patterns are probed at load
 
 
@@ -112,7 +112,8 @@ def check_symptom(item: pytest.Item, call: pytest.CallInfo[Any],
             contain, with a line naming the entry appended.
 
     """
-    pattern = item.stash.get(SYMPTOM, "")
+    entry = item.stash.get(KNOWN_FAILURE, None)
+    pattern = entry.get("match", "") if entry is not None else ""
     if not (pattern and call.when == "call" and call.excinfo is not None
             and report.skipped and hasattr(report, "wasxfail")):
         return
@@ -127,7 +128,7 @@ def check_symptom(item: pytest.Item, call: pytest.CallInfo[Any],
         return
     report.outcome = "failed"
     del report.wasxfail
-    note = (f"not the known failure {item.stash.get(KNOWN_FAILURE, '?')!r}: its "
+    note = (f"not the known failure {entry['test']!r}: its "
             f"match {pattern!r} is not in this failure, so this is another fault "
             "(e.g. of a connector that inherits the entry through extends); fix it, "
             "or widen the entry's match if it is the same defect")
@@ -184,8 +185,7 @@ def apply(items: Iterable[pytest.Item], profile: Profile,
             if known_failure_matches(entry, item.nodeid):
                 item.add_marker(pytest.mark.xfail(
                     strict=True, reason=xfail_reason(entry, profile)))
-                item.stash[KNOWN_FAILURE] = entry["test"]
-                item.stash[SYMPTOM] = entry.get("match", "")
+                item.stash[KNOWN_FAILURE] = entry
                 marked.append((item.nodeid, entry["test"]))
                 break
     return marked

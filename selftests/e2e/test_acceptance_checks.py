@@ -227,7 +227,9 @@ def test_connector_that_stores_nothing_fails_the_hit_sum(tmp_path, baseline):
 # ------------------------------------------------------------------ load failures
 
 def load_failure(tmp_path: Path, baseline: acc.Baseline, mode: str, policy: str
-                 ) -> None:
+                 ) -> acc.LoadFailureRun:
+    """Run the load-failure exchange against the fake server in ``mode`` and check
+    it; returns the run for the positive controls to inspect."""
     cid = acc.case_id(policy, True)
     with server(tmp_path, mode, FAKE_VLLM_LOAD_FAILURE=mode) as srv:
         run = acc.run_load_failure(srv, baseline.book.get(f"load-failure-{cid}"),
@@ -235,51 +237,50 @@ def load_failure(tmp_path: Path, baseline: acc.Baseline, mode: str, policy: str
                                    policy, True)
     acc.check_load_failure(run, baseline.get(f"load-failure-{cid}"),
                            baseline.get(f"load-failure-{cid}-after"))
+    return run
 
 
 def test_recompute_policy_handled_right_passes(tmp_path, baseline):
-    load_failure(tmp_path, baseline, "recompute", "recompute")
-
-
-def test_recompute_with_wrong_output_is_caught(tmp_path, baseline):
-    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=recompute, "
-                       r"async scheduling on: output token ids differ between "
-                       r"baseline \(no connector\) and pass 2 \(load failed, "
-                       r"recomputed\)"):
-        load_failure(tmp_path, baseline, "recompute-garbage", "recompute")
-
-
-def test_recompute_where_no_load_failed_is_not_a_pass(tmp_path, baseline):
-    with pytest.raises(AssertionError, match="never logged 'Recovered from KV load "
-                       "failure' in pass 2 — no load failure reached the scheduler"):
-        load_failure(tmp_path, baseline, "recompute-silent", "recompute")
+    run = load_failure(tmp_path, baseline, "recompute", "recompute")
+    cid = acc.case_id("recompute", True)
+    # the scenario happened: the failed load was recomputed into the baseline's output
+    assert run.pass2.error == "" and run.healthy_after
+    assert run.pass2.token_ids == baseline.get(f"load-failure-{cid}").token_ids
+    assert run.after.token_ids == baseline.get(f"load-failure-{cid}-after").token_ids
+    assert "Recovered from KV load failure" in run.log
 
 
 def test_fail_policy_handled_right_passes(tmp_path, baseline):
-    load_failure(tmp_path, baseline, "fail", "fail")
+    run = load_failure(tmp_path, baseline, "fail", "fail")
+    cid = acc.case_id("fail", True)
+    # the scenario happened: pass 2 ended in an error, the server lived on
+    assert run.pass2.error and not run.pass2.token_ids, run.pass2
+    assert run.healthy_after
+    assert run.after.token_ids == baseline.get(f"load-failure-{cid}-after").token_ids
 
 
-def test_fail_policy_answering_tokens_instead_of_an_error_is_caught(tmp_path,
-                                                                    baseline):
-    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=fail, async "
-                       r"scheduling on: pass 2's KV load failed but the request "
-                       r"completed with 16 tokens .* instead of an error"):
-        load_failure(tmp_path, baseline, "fail-garbage", "fail")
+BAD_LOAD_FAILURES = {  # fake server mode -> (policy, the check's message)
+    "recompute-garbage": ("recompute", r"kv_load_failure_policy=recompute, async "
+                          r"scheduling on: output token ids differ between baseline "
+                          r"\(no connector\) and pass 2 \(load failed, recomputed\)"),
+    "recompute-silent": ("recompute", "never logged 'Recovered from KV load failure' "
+                         "in pass 2 — no load failure reached the scheduler"),
+    "fail-garbage": ("fail", r"kv_load_failure_policy=fail, async scheduling on: "
+                     r"pass 2's KV load failed but the request completed with 16 "
+                     r"tokens .* instead of an error"),
+    "fail-empty": ("fail", r"kv_load_failure_policy=fail, async scheduling on: pass "
+                   r"2 ended with an empty stream and no error .* cannot tell the "
+                   r"request failed; vLLM did log"),
+    "fail-dies": ("fail", r"(/health did not answer 200 after the failed load|the "
+                  r"request after the failed load did not complete)"),
+}
 
 
-def test_fail_policy_ending_with_an_empty_stream_is_caught_and_named(tmp_path,
-                                                                    baseline):
-    with pytest.raises(AssertionError, match=r"kv_load_failure_policy=fail, async "
-                       r"scheduling on: pass 2 ended with an empty stream and no "
-                       r"error .* cannot tell the request failed; vLLM did log"):
-        load_failure(tmp_path, baseline, "fail-empty", "fail")
-
-
-def test_fail_policy_that_takes_the_server_down_is_caught(tmp_path, baseline):
-    with pytest.raises(AssertionError, match=r"(/health did not answer 200 after "
-                       r"the failed load|the request after the failed load did not "
-                       r"complete)"):
-        load_failure(tmp_path, baseline, "fail-dies", "fail")
+@pytest.mark.parametrize("mode", sorted(BAD_LOAD_FAILURES))
+def test_wrong_load_failure_handling_is_caught(tmp_path, baseline, mode):
+    policy, message = BAD_LOAD_FAILURES[mode]
+    with pytest.raises(AssertionError, match=message):
+        load_failure(tmp_path, baseline, mode, policy)
 
 
 def test_streamed_error_event_reaches_the_caller_as_data(tmp_path):

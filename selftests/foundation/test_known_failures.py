@@ -40,6 +40,16 @@ def _profile(tmp_path: Path, entries: str) -> Path:
     return path
 
 
+def _entry(test: str, issue: int, reason: str = "pretend upstream defect",
+           **extra: str) -> str:
+    """One ``[[known_failures]]`` table (TOML) for ``test``, linked to vLLM issue
+    ``issue``; ``extra`` adds keys such as ``vllm`` or ``match``."""
+    lines = ["[[known_failures]]", f'test = "{test}"', f'reason = "{reason}"',
+             f'link = "https://github.com/vllm-project/vllm/issues/{issue}"']
+    lines += [f'{k} = "{v}"' for k, v in extra.items()]
+    return "\n" + "\n".join(lines) + "\n"
+
+
 ENTRIES = '''
 [[known_failures]]
 test = "suites/e2e/test_x.py::test_y*"
@@ -109,18 +119,8 @@ def test_a_known_failure_that_passes_fails_the_run(tmp_path: Path) -> None:
     """XPASS(strict): the defect is fixed; the message says to drop the entry."""
     version = installed_vllm_version()
     assert version, "vLLM must be installed for the level1 tests used here"
-    path = _profile(tmp_path, f'''
-[[known_failures]]
-test = "{PASSING}"
-reason = "pretend upstream defect"
-link = "https://github.com/vllm-project/vllm/issues/99999"
-
-[[known_failures]]
-test = "{OTHER}"
-reason = "only on old vLLM"
-link = "https://github.com/vllm-project/vllm/issues/99998"
-vllm = "<0.1"
-''')
+    path = _profile(tmp_path, _entry(PASSING, 99999)
+                    + _entry(OTHER, 99998, "only on old vLLM", vllm="<0.1"))
     run = run_suite([PASSING, OTHER, f"--tvc-profile={path}", "-rA"], tmp_path / "r")
     assert run.rc == 1, f"exit {run.rc}, expected 1 (a strict XPASS):\n{run.tail()}"
     fixed = run.test("test_python_satisfies_vllm_requires_python")
@@ -140,12 +140,7 @@ def test_a_setup_error_of_a_known_failure_stays_an_error(tmp_path: Path) -> None
     and the run must show that error, not "xfailed"."""
     test = ("suites/e2e/test_external_prefix_hit.py::"
             "test_second_pass_is_served_from_connector_with_identical_output")
-    path = _profile(tmp_path, f'''
-[[known_failures]]
-test = "{test}"
-reason = "pretend upstream defect"
-link = "https://github.com/vllm-project/vllm/issues/99997"
-''')
+    path = _profile(tmp_path, _entry(test, 99997))
     run = run_suite([test, f"--tvc-profile={path}", "--tvc-require", "gpu", "-rA"],
                     tmp_path / "r")
     t = run.test("test_second_pass_is_served_from_connector_with_identical_output")
@@ -161,17 +156,9 @@ link = "https://github.com/vllm-project/vllm/issues/99997"
 def test_an_entry_naming_no_test_of_a_collected_file_is_reported(tmp_path: Path
                                                                  ) -> None:
     """A renamed test would make its entry silently stop covering the defect."""
-    path = _profile(tmp_path, f'''
-[[known_failures]]
-test = "{INSTALL}::test_renamed_long_ago*"
-reason = "pretend upstream defect"
-link = "https://github.com/vllm-project/vllm/issues/99996"
-
-[[known_failures]]
-test = "suites/e2e/test_not_collected_here.py::test_x"
-reason = "another tier, not collected in this run"
-link = "https://github.com/vllm-project/vllm/issues/99995"
-''')
+    path = _profile(tmp_path, _entry(f"{INSTALL}::test_renamed_long_ago*", 99996)
+                    + _entry("suites/e2e/test_not_collected_here.py::test_x", 99995,
+                             "another tier, not collected in this run"))
     run = run_suite([PASSING, f"--tvc-profile={path}"], tmp_path / "r")
     assert run.rc == 0, run.tail()
     assert (f"known failure '{INSTALL}::test_renamed_long_ago*' of {path} matches "
@@ -194,13 +181,7 @@ def test_a_known_failure_covers_only_its_symptom(tmp_path: Path, symptom: str,
     finding: a new KeyError of a connector that inherited example's entries through
     ``extends`` was reported as "known upstream defect" and the run was green).
     ExampleConnector really fails the tenant test (it ignores cache_salt)."""
-    path = _profile(tmp_path, f'''
-[[known_failures]]
-test = "{TENANT}"
-reason = "pretend upstream defect"
-link = "https://github.com/vllm-project/vllm/issues/99996"
-match = "{symptom}"
-''')
+    path = _profile(tmp_path, _entry(TENANT, 99996, match=symptom))
     run = run_suite([TENANT, f"--tvc-profile={path}", "-rA"], tmp_path / "r")
     t = run.test("test_tenant_isolation_cache_salt_and_lora")
     assert t["outcome"] == outcome, (t, run.tail())

@@ -85,10 +85,10 @@ def connector_call(exc: BaseException) -> tuple[str, str]:
                 return where, LOAD_SAVE_ADVICE
             return where, (f"{method} must not raise: return what vLLM expects "
                            "(e.g. 0 matched tokens) and log the cause")
-        m = _CALL.search(linecache.getline(code.co_filename, lineno))
+        line = linecache.getline(code.co_filename, lineno).strip()
+        m = _CALL.search(line)
         method = m and (m.group(1) or _WRAPPERS.get(m.group(2) or "", ""))
         if method and method in api:
-            line = linecache.getline(code.co_filename, lineno).strip()
             return (f" in vLLM's use of what connector.{method}() returned "
                     f"({place}: {line})",
                     f"vLLM could not use what {method} returned: check it against "

@@ -32,7 +32,7 @@ from packaging.requirements import Requirement
 
 #: vLLM releases whose reference stack was installed and run here (CPU):
 #: 0.28.0 (torch 2.13.0) and 0.33.0 (torch 2.14.0); 0.26.0 (torch 2.11.0) is the
-#: GPU host's release (offline bundle, see README).
+#: GPU host's release (offline bundle, see docs/gpu-host.md).
 SUPPORTED = ("0.26.0", "0.28.0", "0.33.0")
 DEFAULT_VLLM = "0.28.0"
 #: Requirements of vLLM 0.26.0-0.33.0 that are CUDA-only or break a CPU torch (see

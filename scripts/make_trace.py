@@ -2,10 +2,11 @@
 
 Usage, from the repo root::
 
-    python3 scripts/make_trace.py --seed 0 --out traces/smoke.jsonl
+    python3 scripts/make_trace.py --seed 0 --out tvc/data/traces/smoke.jsonl
 
-The defaults reproduce ``traces/smoke.jsonl`` byte for byte (a self-test checks it).
-See :func:`tvc.trace.generate_trace` for the model of the trace.
+The defaults reproduce ``tvc/data/traces/smoke.jsonl`` byte for byte (a self-test
+checks it).
+See :func:`tvc.trace.replay.generate_trace` for the model of the trace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tvc.trace import dump_trace, generate_trace  # noqa: E402
+from tvc.trace.replay import dump_trace, generate_trace  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

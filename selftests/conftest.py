@@ -3,7 +3,7 @@
 The suite's checks are proved by running them against known-bad environments built in
 temp dirs. :func:`run_suite` runs ``python -m pytest`` from the repo root in a fresh
 interpreter with a chosen environment and returns the exit code, the output and the
-parsed ``summary.json`` (see :mod:`tvc.report`), so a self-test can assert that a
+parsed ``summary.json`` (see :mod:`tvc.plugin.report`), so a self-test can assert that a
 check FAILED and that its message names the cause and the fix.
 
 Usage from a self-test::
@@ -36,6 +36,8 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+pytest_plugins = ["pytester"]  # the plugin's own self-tests run pytest in pytester
 
 # Variables a caller's shell may set that would change which profile/strictness/report
 # folder the child run uses; they are dropped unless the caller passes them in ``env``.
@@ -136,7 +138,7 @@ if importlib.util.find_spec("xdist") is not None:
         vLLM or compiles with Inductor); xdist's default ``load`` scheduling spreads a
         module over workers and repeats those runs on each (``selftests/foundation``
         with ``-n 2``: 138 s with ``load``, 64 s file by file). The suite's GPU
-        owners still run as one unit (:func:`tvc.run_control.make_scheduler`). An
+        owners still run as one unit (:func:`tvc.plugin.run_control.make_scheduler`). An
         explicit ``--dist`` other than ``load`` is respected.
 
         Returns:
@@ -144,7 +146,7 @@ if importlib.util.find_spec("xdist") is not None:
         """
         if config.getoption("dist") != "load":
             return None
-        from tvc.run_control import make_scheduler
+        from tvc.plugin.run_control import make_scheduler
 
         sched = make_scheduler(config, log, by_file=True)
         if sched is not None:

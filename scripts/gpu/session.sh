@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Run the suite's GPU tiers on the lab GPU host (offline; see README "GPU host").
+# Run the suite's GPU tiers on the lab GPU host (offline; see docs/gpu-host.md).
 #   scripts/gpu/session.sh setup      unpack the vLLM bundle (parts in $STAGE), kvikio wheels
 #   scripts/gpu/session.sh tiers      level1+2, contract, e2e, store tiers (in parallel lanes)
 #   scripts/gpu/session.sh trace      trace tier for both reference profiles, one after the other
 #   scripts/gpu/session.sh rerun      build preflight, e2e (example) + negative control, trace
 #   scripts/gpu/session.sh final      e2e negative control, then the trace tier of both profiles
+#   scripts/gpu/session.sh certify    scripts/certify.sh for each of $CERTIFY_PROFILES (default
+#                                     "example cpu-offload"), one after the other, 280 s each at most
+#   scripts/gpu/session.sh controls   the e2e negative controls (each must see its bad connector)
 # Each pytest run writes its run folder under $RESULTS; everything is packed into
 # $OUT/results-<phase>.tgz (one file) and each run's last line is printed.
-# One vLLM server per GPU at a time: lanes that start vLLM servers (e2e, trace) never
-# run beside each other (two servers starting together race for GPU memory:
-# "Available KV cache memory: -0.01 GiB"); only lanes without servers (contract,
-# store tiers) run in parallel with one of them. GPU_PLAN.md has the issue-10 runs.
+# The tiers/trace/rerun/final phases keep one pytest run with vLLM servers at a time
+# (separate pytest runs do not share a server pool: their servers would race for GPU
+# memory, "Available KV cache memory: -0.01 GiB"). Within one run the server pool
+# starts servers together with fixed KV caches (docs/servers.md). docs/gpu-host.md has
+# the runs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -41,11 +45,11 @@ pt() {  # pt NAME PYTEST-ARGS...: one pytest run, its own run folder and log
 }
 
 build_profile() {  # a copy of the example profile with the build preflight on
-  sed -e 's/^name = "example"/name = "example-build"/' profiles/example.toml >"$RESULTS/example-build.toml"
+  sed -e 's/^name = "example"/name = "example-build"/' tvc/data/profiles/example.toml >"$RESULTS/example-build.toml"
   printf '\n[build]\npreflight = true\nmin_free_gib = 20.0\n' >>"$RESULTS/example-build.toml"
 }
 
-case ${1:?phase: setup, tiers, trace or rerun} in
+case ${1:?phase: setup, tiers, trace, rerun, final, certify or controls} in
   setup)
     bash .bundle/unpack.sh "$STAGE" /root/vllm-bundle || exit 1
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -97,6 +101,22 @@ case ${1:?phase: setup, tiers, trace or rerun} in
     pt e2e-negative selftests/e2e/test_negative_control.py --tvc-require gpu
     pt trace-example -m trace --tvc-profile example --tvc-require gpu
     pt trace-offload -m trace --tvc-profile cpu-offload --tvc-require gpu
+    ;;
+  certify)  # every tier of each profile, strict; each run folder has timeline.json
+    for p in ${CERTIFY_PROFILES:-example cpu-offload}; do
+      t0=$SECONDS
+      TVC_REPORTS_ROOT="$RESULTS" timeout --signal=INT --kill-after=20 280 \
+        scripts/certify.sh "$p" >"$RESULTS/certify-$p.log" 2>&1
+      echo "[certify-$p] rc=$? $((SECONDS - t0))s: $(grep -E '^=+ .*(passed|failed|skipped|error).* =+$' "$RESULTS/certify-$p.log" | tail -1)"
+      tail -1 "$RESULTS/certify-$p.log"
+      run=$(ls -dt "$RESULTS"/*-certify-"$p" 2>/dev/null | head -1)
+      [ -n "$run" ] && python3 -c "import json,sys; print('\n'.join('  ' + l for l in json.load(open(sys.argv[1])).get('critical_path', [])))" "$run/timeline.json" 2>/dev/null
+    done
+    ;;
+  controls)  # every e2e negative control must pass (= its inner run caught the fault)
+    pt e2e-negative selftests/e2e/test_negative_control.py \
+      selftests/e2e/test_concurrency_negative_control.py \
+      selftests/e2e/test_load_failure_negative_control.py --tvc-require gpu
     ;;
   *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Self-tests of tvc/bandwidth.py: thresholds, statistics, labels, chart."""
+"""Self-tests of tvc/store/bandwidth.py: thresholds, statistics, labels, chart."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tvc import bandwidth as bw
-from tvc.store import open_posix_store
+from tvc.store import bandwidth as bw
+from tvc.store.gpu_direct import open_posix_store
 
 pytestmark = pytest.mark.hw_any
 

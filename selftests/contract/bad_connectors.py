@@ -39,6 +39,14 @@ class CountsLastTokenConnector(ExampleConnector):
         return n - num_computed_tokens, False
 
 
+class OverMatchConnector(ExampleConnector):
+    """Fault: a match rounded up one block (claims tokens past the prompt)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (n + self._block_size if n else n), is_async
+
+
 class UnalignedConnector(ExampleConnector):
     """Fault: reports len - 1 tokens, not a whole number of blocks."""
 

@@ -9,8 +9,10 @@ subclasses, so both sides run on CPU:
   index, as the public Tutti connector keeps), with a stand-in
   (:func:`stored_prefixes_report`) for rigs that run no worker.
 * :class:`CrossLayerConnector`: prefers cross-layer blocks, accepts only the
-  cross-layer tensor, needs vLLM's TP group in every load (as Tutti's worker).
-* Known-bad ones, each with ONE fault: :class:`CrossLayerWrongLayerConnector`,
+  cross-layer tensor, needs vLLM's TP group in every load (as Tutti's worker);
+  :class:`Rank4RefusingConnector` refuses other tensors as Tutti's worker does.
+* Known-bad ones, each with ONE fault: :class:`WorkerMetaIgnoredConnector`,
+  :class:`CrossLayerWrongLayerConnector`,
   :class:`FalseLoadErrorConnector`, :class:`LateLoadErrorConnector`,
   :class:`RequestIdsFalseReportConnector`, :class:`StagingRefusedConnector`.
 """
@@ -79,6 +81,18 @@ class WorkerMetaResidencyConnector(ExampleConnector):
         return StoredPrefixes(prefixes) if prefixes else None
 
 
+class WorkerMetaIgnoredConnector(WorkerMetaResidencyConnector):
+    """Known-bad: its workers report stores, its scheduler drops the reports.
+
+    ``update_connector_output`` ignores the worker metadata (as a scheduler-side
+    index without a publishing method does), so no prompt ever becomes resident
+    and every replay matches 0 tokens.
+    """
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None
+
+
 def stored_prefixes_report(vllm_config: Any, kv_cache_config: Any,
                            connector: Any) -> Any:
     """Stand-in worker report: every prefix the scheduler planned to store."""
@@ -129,6 +143,25 @@ class CrossLayerConnector(ExampleConnector):
                 "a per-layer KV view is not inside the registered cross-layer "
                 "tensor")
         super().start_load_kv(forward_context, **kwargs)
+
+
+class Rank4RefusingConnector(CrossLayerConnector):
+    """Refuses as Tutti's worker does (``tutti_kv_transfer`` layout detection):
+    a per-layer tensor, or a cross-layer tensor with other than 2 KV heads, is
+    "unsupported paged KV tensor rank 4" (it slices the cross-layer tensor per
+    layer to (N, B, H, 2D) and wants the 2 at position 1 as a K/V axis)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        t = next(iter(kv_caches.values()))
+        raise AssertionError(f"unsupported paged KV tensor rank {t.dim()} "
+                             f"(shape={tuple(t.shape)})")
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        if kv_cache.shape[3] != 2:
+            piece = kv_cache[:, 0]
+            raise AssertionError(f"unsupported paged KV tensor rank {piece.dim()} "
+                                 f"(shape={tuple(piece.shape)})")
+        super().register_cross_layers_kv_cache(kv_cache, attn_backend)
 
 
 class CrossLayerWrongLayerConnector(CrossLayerConnector):

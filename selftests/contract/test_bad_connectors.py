@@ -12,12 +12,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
-WORKER = "test_loaded_kv_is_bit_identical and cpu and B16-H2-D64-float16"
+WORKER = "test_loaded_kv_is_bit_identical and cpu and B16-H2-D64-float16 and NHD"
 
 # connector class -> (test selection, text the failure must contain)
 CASES = {
     "CountsLastTokenConnector": ("test_second_pass_matches_declared_hit_rule",
                                  "counts the last prompt token"),
+    "OverMatchConnector": ("test_second_pass_matches_declared_hit_rule",
+                           "beyond the end of the prompt"),
     "UnalignedConnector": ("test_second_pass_matches_declared_hit_rule",
                            "is not a multiple of the block size"),
     "PhantomHitConnector": ("test_cold_prompt_matches_nothing",

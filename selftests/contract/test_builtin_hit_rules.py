@@ -1,6 +1,6 @@
 """Every built-in profile's hit rule is the one the contract tier exercises.
 
-Issue 13: ``lab-disk`` carried a stale copy of ExampleConnector's rule that nothing
+``lab-disk`` once carried a stale copy of ExampleConnector's rule that nothing
 checked, and its GPU run raised three false alarms. Here each built-in profile that
 declares a hit rule runs the contract tier's hit-rule check with vLLM's real
 scheduler: the check must be selected (not deselected, not skipped for lack of a
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from selftests.conftest import run_suite
+from tvc.config.profile import BUILTIN_DIR, load
 from tvc.contract.rig import adapter_missing_reason
-from tvc.profile import BUILTIN_DIR, load
 
 CHECK = "test_second_pass_matches_declared_hit_rule"
 BLOCK_SIZES = (16, 32)  # suites/contract/test_scheduler_contract.py BLOCK_SIZES

@@ -1,7 +1,8 @@
-"""tvc.faults.FaultInjectingConnector works as a kv_connector loaded by module path.
+"""FaultInjectingConnector (tvc.contract.faults) works as a kv_connector by module path.
 
 vLLM's ``KVConnectorFactory`` builds the wrapper from ``kv_connector_module_path =
-"tvc.faults"`` on both sides and the wrapper builds vLLM's ExampleConnector through
+"tvc.contract.faults"`` on both sides and the wrapper builds vLLM's ExampleConnector
+through
 the same factory. Driven in the contract rig on CPU: every fault mode does what its
 documentation says, the failure is reported through vLLM's interface, and
 ``kv_load_failure_policy`` acts on the affected request only.
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from tvc import contract as C
-from tvc.faults import (
+from tvc.config.profile import Profile, load
+from tvc.contract.faults import (
     SCRIBBLE_VALUE,
     FaultConfigError,
     FaultInjectingConnector,
     wrap_kv_transfer_config,
 )
-from tvc.profile import Profile, load
 
 pytestmark = pytest.mark.hw_any
 
@@ -68,7 +69,7 @@ def test_wrapped_config_names_the_wrapper_and_keeps_vllm_fields() -> None:
            "kv_connector_extra_config": {"shared_storage_path": "/x"}}
     out = wrap_kv_transfer_config(cfg, "fail_load", every=3, seed=5)
     assert out["kv_connector"] == "FaultInjectingConnector"
-    assert out["kv_connector_module_path"] == "tvc.faults"
+    assert out["kv_connector_module_path"] == "tvc.contract.faults"
     assert out["kv_role"] == "kv_both" and out["kv_load_failure_policy"] == "fail"
     assert out["kv_connector_extra_config"] == {"tvc_fault": {
         "inner": cfg, "mode": "fail_load", "every": 3, "seed": 5}}
@@ -164,8 +165,8 @@ def test_fail_save_is_never_visible_to_a_later_lookup(example) -> None:
 
 
 def test_profile_load_failure_faults_are_the_wrappers_load_modes(tmp_path) -> None:
-    from tvc import faults
-    from tvc.profile import LOAD_FAILURE_FAULTS, ProfileError
+    from tvc.config.profile import LOAD_FAILURE_FAULTS, ProfileError
+    from tvc.contract import faults
 
     assert set(LOAD_FAILURE_FAULTS) == set(faults._LOAD_MODES)
     prof = tmp_path / "bad.toml"

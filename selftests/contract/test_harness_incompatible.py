@@ -7,7 +7,7 @@ changes the installed vLLM the way a future release might:
   (``shared_by`` of 0.26/0.28, ``layers`` of 0.33): caught by the set-up probe.
 * vLLM's ``get_kv_cache_config_from_groups`` plans one block fewer than it was
   given memory for: caught while the test runs (the probe cannot see it), and
-  turned into an error by :mod:`tvc.compat_report` even under an expected-failure
+  turned into an error by :mod:`tvc.plugin.compat_report` even under an expected-failure
   mark.
 
 Neither may come back as a connector failure or a pass.
@@ -103,7 +103,7 @@ def _run(tmp_path: Path, name: str, source: str):
     prof.write_text(PROFILE.format(store=tmp_path / "store",
                                    scratch=tmp_path / "scratch"))
     return run_suite(["suites/contract", "-m", "contract", "-k", SELECT,
-                      f"--profile={prof}", "-p", name, "-rA"],
+                      f"--tvc-profile={prof}", "-p", name, "-rA"],
                      tmp_path / f"report-{name}",
                      env={"PYTHONPATH": fakes.pythonpath(pkg)}, timeout_s=600)
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tvc.profile import SCHEMA, Profile
-
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
@@ -75,11 +73,6 @@ dir = "{scratch}"
 
 def _run(cls: str, select: str, extra: str, tmp_path: Path
          ) -> subprocess.CompletedProcess:
-    if "granularity" in extra and not (
-            "granularity" in SCHEMA["connector"]
-            and hasattr(Profile, "granularity_tokens")):
-        pytest.skip("this case needs connector.granularity and "
-                    "Profile.granularity_tokens (INTERFACES.md), not in this tree")
     prof = tmp_path / f"bad-{cls}.toml"
     prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
                                    scratch=tmp_path / "scratch", rule=EXAMPLE_RULE,
@@ -90,9 +83,9 @@ def _run(cls: str, select: str, extra: str, tmp_path: Path
                [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "suites/contract/test_scenarios.py",
-         "-m", "contract", "-k", select, f"--profile={prof}",
+         "-m", "contract", "-k", select, f"--tvc-profile={prof}",
          "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-         f"--report-dir={tmp_path / 'report'}"],
+         f"--tvc-report-dir={tmp_path / 'report'}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -124,8 +117,8 @@ def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
     resumption instead of calling itself vacuous (on the H200: "the worker never
     saw the preempted request resumed" for cpu-offload's CUDA variant)."""
     from tvc import contract as C
+    from tvc.config.profile import load
     from tvc.contract import scenarios as S
-    from tvc.profile import load
 
     prof = tmp_path / "control.toml"
     prof.write_text(PROFILE.format(
@@ -151,9 +144,9 @@ def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
 
 def test_vacuous_plan_is_an_error_naming_the_chunk(tmp_path) -> None:
     proc = _run("ClampedExampleConnector", "test_granularity and cpu",
-                'granularity = "300 * B"', tmp_path)
+                'granularity = "250 * B"', tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "1 error" in out, (
         f"a plan whose chunk exceeds every prompt must error. Tail:\n{out[-3000:]}")
-    assert "vacuous: this connector stores whole chunks of 4800 tokens" in out, (
+    assert "vacuous: this connector stores whole chunks of 4000 tokens" in out, (
         out[-3000:])

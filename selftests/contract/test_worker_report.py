@@ -12,6 +12,8 @@ Each case runs the contract tier in a subprocess against one connector of
 * the worker harness allocates and registers vLLM's cross-layer KV tensor and
   vLLM's TP group (a connector that refuses anything else passes the round trip),
   and a connector that reads the cross-layer tensor's layer axis wrongly fails;
+* a scheduler that drops its workers' metadata fails the round trip naming the
+  worker metadata it was handed;
 * load-error reports are checked: a bit-identical load reported as failed, a
   corrupt block before the first reported one, a request named by
   ``get_request_ids_with_load_errors`` although its load was bit-identical;
@@ -34,7 +36,9 @@ from selftests.conftest import run_suite
 pytestmark = [pytest.mark.hw_any]
 
 HERE = Path(__file__).resolve().parent
-ROUND_TRIP = "test_loaded_kv_is_bit_identical and cpu and B16-H2-D64-float16"
+ROUND_TRIP = "test_loaded_kv_is_bit_identical and cpu and B16-H2-D64-float16 and NHD"
+#: vLLM's V1 model runner: the only one that hands a cross-layer KV tensor
+V1 = '{ VLLM_USE_V2_MODEL_RUNNER = "0" }'
 HIT_RULE = "test_second_pass_matches_declared_hit_rule and 16"
 STANDIN = "report_connectors:stored_prefixes_report"
 
@@ -50,6 +54,8 @@ hit_rule = "{rule}"
 hit_rule_source = "report_connectors.py"
 worker_devices = {devices}
 worker_report = "{report}"
+[vllm]
+env = {env}
 [scratch]
 dir = "{scratch}"
 """
@@ -57,10 +63,10 @@ dir = "{scratch}"
 
 def _run(tmp_path: Path, cls: str, select: str, *, devices: str = '["cpu"]',
          report: str = "", rule: str = "(len - 1) // B * B",
-         name: str = "run") -> object:
+         name: str = "run", env: str = "{}") -> object:
     prof = tmp_path / f"{name}.toml"
     prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store", rule=rule,
-                                   devices=devices, report=report,
+                                   devices=devices, report=report, env=env,
                                    scratch=tmp_path / "scratch"))
     env = {"PYTHONPATH": os.pathsep.join(
         [str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -109,6 +115,13 @@ def test_worker_meta_connector_with_its_real_worker_passes_without_standin(
     assert "worker" not in t["properties"], t["properties"]
 
 
+def test_worker_meta_connector_passes_the_round_trip_with_its_worker(
+        tmp_path) -> None:
+    run = _run(tmp_path, "WorkerMetaResidencyConnector", ROUND_TRIP, env=V1)
+    t = run.test("B16-H2-D64-float16-cpu-NHD")
+    assert t["outcome"] == "passed", f"{t['message']}\n{run.tail()}"
+
+
 def test_hit_rule_expecting_no_hit_at_all_fails(tmp_path) -> None:
     run = _run(tmp_path, "WorkerMetaResidencyConnector", HIT_RULE, rule="0 * len")
     t = _hit_rule_test(run)
@@ -117,15 +130,68 @@ def test_hit_rule_expecting_no_hit_at_all_fails(tmp_path) -> None:
 
 
 # ------------------------------------------------------------- worker harness
-def test_cross_layer_kv_tensor_and_tp_group_are_set_up(tmp_path) -> None:
-    run = _run(tmp_path, "CrossLayerConnector", ROUND_TRIP,
-               rule="(len - 2) // B * B * ((len - 1 - (len - 1) // B * B + B - 1)"
-                    " // B)")
-    t = run.test("B16-H2-D64-float16-cpu")
+CROSS_RULE = ("(len - 2) // B * B * ((len - 1 - (len - 1) // B * B + B - 1) // B)")
+
+
+def test_cross_layer_kv_tensor_and_tp_group_are_set_up_on_the_v1_runner(
+        tmp_path) -> None:
+    run = _run(tmp_path, "CrossLayerConnector", ROUND_TRIP, rule=CROSS_RULE, env=V1)
+    t = run.test("B16-H2-D64-float16-cpu-NHD")
     assert t["outcome"] == "passed", f"{t['message']}\n{run.tail()}"
+    assert t["properties"]["model_runner"] == "V1 (vllm)", t["properties"]
+    layout = t["properties"]["kv_layout"]
+    assert "cross-layer tensor" in layout and "NHD" in layout and \
+        "(64, 2, 16, 2, 128)" in layout, layout  # (N, layers, B, H, 2D)
+
+
+def test_v2_runner_hands_per_layer_tensors_whatever_the_connector_prefers(
+        tmp_path) -> None:
+    """vLLM 0.26/0.28 run a dense model on the V2 runner by default, which never
+    registers a cross-layer tensor (v1/worker/gpu/kv_connector.py): a connector
+    that takes only that tensor is red, naming the runner (the harness used to
+    hand it the cross-layer tensor anyway: a green the server never gives)."""
+    run = _run(tmp_path, "CrossLayerConnector", ROUND_TRIP, rule=CROSS_RULE)
+    t = run.test("B16-H2-D64-float16-cpu-NHD")
+    assert t["outcome"] == "failed", f"{t['outcome']}: {t['message']}\n{run.tail()}"
+    assert "V2 model runner" in t["message"] and \
+        "expected register_cross_layers_kv_cache, got register_kv_caches" in \
+        t["message"], t["message"]
+
+
+def test_rank4_refusal_names_runner_variable_and_shape(tmp_path) -> None:
+    """Tutti's worker refuses per-layer tensors ("unsupported paged KV tensor rank
+    4"): the failure names the V2 runner, VLLM_USE_V2_MODEL_RUNNER=0 and reads
+    the shape as (N, H, B, 2D)."""
+    run = _run(tmp_path, "Rank4RefusingConnector", ROUND_TRIP, rule=CROSS_RULE)
+    t = run.test("B16-H2-D64-float16-cpu-NHD")
+    assert t["outcome"] == "failed", f"{t['outcome']}: {t['message']}\n{run.tail()}"
+    for needle in ("V2 model runner", "VLLM_USE_V2_MODEL_RUNNER=0",
+                   "per-layer tensor (N, H, B, 2D) with H = 2 KV heads and B = 16"):
+        assert needle in t["message"], (needle, t["message"])
+    assert t["properties"].get("model_runner") == "V2 (vllm)", t["properties"]
+    keys = [f["key"] for f in run.summary["findings"]]
+    # a Tutti-like connector of another class: a plain finding, never Tutti's
+    assert keys == ["test"], keys
+
+
+def test_cross_layer_head_limit_is_red_with_8_kv_heads_on_v1(tmp_path) -> None:
+    """On the V1 runner Tutti's worker takes the cross-layer tensor only with 2 KV
+    heads per rank; with 8 the failure reads the shape as a cross-layer slice."""
+    run = _run(tmp_path, "Rank4RefusingConnector",
+               "test_loaded_kv_is_bit_identical and cpu and B16-H8-D64-float16 "
+               "and NHD", rule=CROSS_RULE, env=V1)
+    t = run.test("B16-H8-D64-float16-cpu-NHD")
+    assert t["outcome"] == "failed", f"{t['outcome']}: {t['message']}\n{run.tail()}"
+    assert "layer slice (N, B, H, 2D) of the V1 runner's cross-layer tensor with " \
+        "B = 16 and H = 8" in t["message"], t["message"]
 
 
 @pytest.mark.parametrize(("cls", "needle"), [
+    ("WorkerMetaIgnoredConnector",
+     "non-empty worker metadata object(s) (StoredPrefixes) from "
+     "build_connector_worker_meta, and vLLM's scheduler handed each to the "
+     "connector's update_connector_output, yet get_num_new_matched_tokens "
+     "matched 0: the scheduler side did not publish"),
     ("CrossLayerWrongLayerConnector", "does not hold the KV that was stored"),
     ("FalseLoadErrorConnector", "a false load-error report"),
     ("LateLoadErrorConnector", "before the first block reported as failed"),
@@ -136,8 +202,8 @@ def test_cross_layer_kv_tensor_and_tp_group_are_set_up(tmp_path) -> None:
      "refused)"),
 ])
 def test_worker_harness_catches_known_bad_connector(tmp_path, cls, needle) -> None:
-    run = _run(tmp_path, cls, ROUND_TRIP)
-    t = run.test("B16-H2-D64-float16-cpu")
+    run = _run(tmp_path, cls, ROUND_TRIP, env=V1)
+    t = run.test("B16-H2-D64-float16-cpu-NHD")
     assert t["outcome"] in ("failed", "error") and needle in run.stdout, (
         f"{cls}: expected a failure containing {needle!r}, got {t['outcome']}: "
         f"{t['message']}\n{run.tail()}")
@@ -200,18 +266,18 @@ dir = "{tmp_path / 'scratch'}"
 
 def test_declared_standin_reports_the_fault_wrappers_planned_load_failure(
         tmp_path, monkeypatch) -> None:
-    """Under tvc.faults fail_load, the stand-in reports the planned blocks as vLLM
+    """Under fail_load, the stand-in reports the planned blocks as vLLM
     expects (invalid_block_ids in the load's step), and vLLM recomputes them."""
     from tvc import contract as C
+    from tvc.config.profile import load
+    from tvc.contract.faults import wrap_kv_transfer_config
     from tvc.contract.standins import HookWorker
-    from tvc.faults import wrap_kv_transfer_config
-    from tvc.profile import load
 
     monkeypatch.syspath_prepend(str(HERE))
     prof = tmp_path / "p.toml"
     prof.write_text(PROFILE.format(cls="WorkerMetaResidencyConnector",
                                    store=tmp_path / "store", rule="(len - 1) // B * B",
-                                   devices='["cuda"]', report=STANDIN,
+                                   devices='["cuda"]', report=STANDIN, env="{}",
                                    scratch=tmp_path / "scratch"))
     profile = load(str(prof))
     ktc = dict(profile.kv_transfer_config(), kv_load_failure_policy="recompute")

@@ -1,4 +1,4 @@
-"""Self-tests of tvc/daemon.py against fake daemons rooted in a temp dir."""
+"""Self-tests of tvc/procs/daemon.py against fake daemons rooted in a temp dir."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tvc.daemon import DaemonError, DaemonSpec, StorageDaemon
+from tvc.procs.daemon import DaemonError, DaemonSpec, StorageDaemon
 
 pytestmark = pytest.mark.hw_any
 

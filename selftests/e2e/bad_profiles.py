@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tvc.profile import BUILTIN_DIR
+from tvc.config.profile import BUILTIN_DIR
 
 HERE = Path(__file__).resolve().parent  # the faulty connectors' modules live here
 

@@ -1,4 +1,4 @@
-"""Self-tests of tvc/acceptance.py and the baseline comparison of tvc/two_pass.py.
+"""Self-tests of tvc/e2e/acceptance.py and the baseline comparison (e2e/two_pass.py).
 
 Every check runs against fake vLLM servers (selftests/e2e/fake_vllm_server.py): a
 baseline server (no ``--kv-transfer-config``, no store) and connector servers that
@@ -15,9 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tvc import acceptance as acc
-from tvc import two_pass as tp
-from tvc.vllm_server import Completion, VllmServer
+from tvc.e2e import acceptance as acc
+from tvc.e2e import two_pass as tp
+from tvc.procs.client import Completion
+from tvc.procs.vllm_server import VllmServer
 
 pytestmark = pytest.mark.hw_any
 
@@ -152,41 +153,35 @@ def test_no_twins_where_a_gpu_cache_hit_could_exceed_the_rule():
 
 
 def test_run_seed_prefers_a_chosen_seed_then_the_profile_then_the_run(monkeypatch):
-    import tvc.session
-
     def use(seed, source, profile_seed=0, env=None):
         profile = SimpleNamespace(data={"e2e": {"seed": profile_seed}})
         monkeypatch.setattr(tp, "_SEED", [])
-        monkeypatch.setattr(tvc.session, "state", lambda: SimpleNamespace(
-            seed=seed, seed_source=source, profile=profile))
         if env is None:
             monkeypatch.delenv("TVC_SEED", raising=False)
         else:
             monkeypatch.setenv("TVC_SEED", env)
-        return tp.run_seed()
+        return tp.run_seed(seed, source, profile)
 
     assert use(7, "--tvc-seed", profile_seed=5) == (7, "--tvc-seed")
     assert use(7, "TVC_SEED", profile_seed=5, env="7") == (7, "TVC_SEED")
     assert use(7, "controller", profile_seed=5, env="7") == (7, "controller")
     assert use(7, "random", profile_seed=5) == (5, "[e2e] seed")
     assert use(7, "random") == (7, "run seed (random)")
-    assert tp.run_seed() == (7, "run seed (random)")  # fixed for the process
-    # outside a suite run: TVC_SEED, else random
+    assert tp._SEED == []  # a suite run's seed lives in its run state, not here
+    # outside a suite run (no run seed): TVC_SEED, else random, fixed per process
     monkeypatch.setattr(tp, "_SEED", [])
-
-    def no_state():
-        raise RuntimeError("outside")
-
-    monkeypatch.setattr(tvc.session, "state", no_state)
     monkeypatch.setenv("TVC_SEED", "1234")
     assert tp.run_seed() == (1234, "TVC_SEED")
+    monkeypatch.setenv("TVC_SEED", "99")
+    assert tp.run_seed() == (1234, "TVC_SEED")  # fixed for the process
     monkeypatch.setattr(tp, "_SEED", [])
     monkeypatch.setenv("TVC_SEED", "abc")
     with pytest.raises(ValueError, match="TVC_SEED='abc': expected an integer"):
         tp.run_seed()
     monkeypatch.setattr(tp, "_SEED", [])
     monkeypatch.delenv("TVC_SEED")
-    assert tp.run_seed()[1] == "random (this run)"
+    drawn = tp.run_seed()
+    assert drawn[1] == "random (this run)" and tp.run_seed() == drawn
 
 
 # -------------------------------------------------------------------- concurrency
@@ -292,7 +287,7 @@ def test_streamed_error_event_reaches_the_caller_as_data(tmp_path):
         bad = c.stream(p)
         assert not bad.ok and bad.error.startswith("stream error:")
         assert '"code": 500' in bad.error and bad.status_code == 200
-        from tvc.client import ServerError
+        from tvc.procs.client import ServerError
 
         with pytest.raises(ServerError, match="stream error"):
             c.reset_prefix_cache()

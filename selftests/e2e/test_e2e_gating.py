@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from selftests.conftest import run_suite
-from tvc.session import state
 
 pytestmark = pytest.mark.hw_any
 
 
 @pytest.fixture(autouse=True)
-def _no_gpu_here():
-    if state().hw["levels"]["gpu"]:
+def _no_gpu_here(tvc_hw):
+    if tvc_hw["levels"]["gpu"]:
         pytest.skip("this box has a GPU: the e2e tier runs here instead of skipping")
 
 

@@ -3,7 +3,7 @@ its failed loads wrongly.
 
 Runs ``suites/e2e/test_load_failure.py`` in a subprocess with a built-in profile
 and ``[e2e] load_failure_fault`` set to a faulty mode of the fault injector
-(:mod:`tvc.faults`), on a profile and policy where the correct mode
+(:mod:`tvc.contract.faults`), on a profile and policy where the correct mode
 (``fail_load``) passes on vLLM 0.26.0 (the H200), so a failure means the check saw
 the fault:
 
@@ -15,8 +15,9 @@ the fault:
   right, a known failure of that profile.)
 - ``corrupt_load`` under ``fail``, example: the block is overwritten and nothing is
   reported, so vLLM serves the garbage; the test must fail because the request
-  completed instead of ending with an error. (cpu-offload is not used here: vLLM
-  0.26.0 ends its failed asynchronous loads with an empty stream.)
+  completed instead of ending with an error. (With the correct mode vLLM 0.26.0
+  ends the failed request with an empty stream on both profiles, a known failure
+  whose ``match`` is that symptom only: the garbage answer stays a failure.)
 """
 
 from __future__ import annotations

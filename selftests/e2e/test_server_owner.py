@@ -1,4 +1,4 @@
-"""Self-tests of tvc/vllm_server.py against a fake server (no GPU, no vLLM)."""
+"""Self-tests of tvc/procs/vllm_server.py against a fake server (no GPU, no vLLM)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,20 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from tvc.vllm_server import (
+from tvc.procs.client import (
     CACHE_CONFIG_INFO_METRIC,
     EXTERNAL_HITS_METRIC,
     PREFIX_HITS_METRIC,
     PROMPT_TOKENS_BY_SOURCE_METRIC,
     REQUEST_SUCCESS_METRIC,
     ServerError,
-    VllmServer,
-    free_port,
     parse_metrics,
 )
+from tvc.procs.vllm_server import VllmServer, free_port
 
 pytestmark = pytest.mark.hw_any
 
@@ -150,7 +148,7 @@ INNER = textwrap.dedent("""\
     import os, sys, time
     from pathlib import Path
     import pytest
-    from tvc.vllm_server import VllmServer
+    from tvc.procs.vllm_server import VllmServer
 
     TMP = Path(os.environ["INNER_TMP"])
 
@@ -279,22 +277,22 @@ def test_starting_a_server_parks_the_running_one(tmp_path):
 
 def test_hit_log_level_sets_vllms_logging_level_on_connector_servers(tmp_path,
                                                                      monkeypatch):
-    import tvc.session
-    import tvc.vllm_server as vs
-    from tvc.profile import load
+    import tvc.procs.vllm_server as vs
+    from tvc.config.profile import load
 
-    text = (REPO / "profiles" / "example.toml").read_text().replace(
+    text = (REPO / "tvc" / "data" / "profiles" / "example.toml").read_text().replace(
         'hit_log_pattern = "External Cache Hit!"',
         'hit_log_pattern = "External Cache Hit!"\nhit_log_level = "DEBUG"')
     (tmp_path / "p.toml").write_text(text)
     prof = load(str(tmp_path / "p.toml"), env={})
-    monkeypatch.setattr(tvc.session, "state", lambda: SimpleNamespace(profile=prof))
-    monkeypatch.setattr(vs, "run_log_dir", lambda config: tmp_path / "logs")
-    srv = vs.server_from_profile(None, tmp_path / "m")
+    monkeypatch.setattr(vs, "run_log_dir",
+                        lambda config, profile=None: tmp_path / "logs")
+    srv = vs.server_from_profile(None, tmp_path / "m", profile=prof)
     assert srv.env_overrides["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert srv.build_env()["VLLM_LOGGING_LEVEL"] == "DEBUG"
-    mine = vs.server_from_profile(None, tmp_path / "m", env={"VLLM_LOGGING_LEVEL":
-                                                             "INFO"})
+    mine = vs.server_from_profile(None, tmp_path / "m", profile=prof,
+                                  env={"VLLM_LOGGING_LEVEL": "INFO"})
     assert mine.env_overrides["VLLM_LOGGING_LEVEL"] == "INFO"
-    base = vs.server_from_profile(None, tmp_path / "m", kv_transfer_config=None)
+    base = vs.server_from_profile(None, tmp_path / "m", profile=prof,
+                                  kv_transfer_config=None)
     assert "VLLM_LOGGING_LEVEL" not in base.env_overrides

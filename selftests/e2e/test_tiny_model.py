@@ -1,4 +1,4 @@
-"""Self-tests of tvc/model.py: the tiny Llama builds offline, deterministically,
+"""Self-tests of tvc/env/model.py: the tiny Llama builds offline, deterministically,
 is reused by content hash, loads in transformers, and its greedy output depends on the
 context (while the default init scale 0.02, the known-bad case, repeats one token)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tvc.model import (
+from tvc.env.model import (
     TINY_CONFIG,
     build_tiny_llama,
     prompt_token_range,

@@ -1,4 +1,4 @@
-"""Self-tests of tvc/two_pass.py: the acceptance checks pass on a good target and
+"""Self-tests of tvc/e2e/two_pass.py: the acceptance checks pass on a good target and
 fail, for the right reason, on known-bad ones (a fake server emulating a connector,
 and hand-made results)."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tvc import two_pass as tp
-from tvc.vllm_server import Completion, MetricsSnapshot, VllmServer
+from tvc.e2e import two_pass as tp
+from tvc.procs.client import Completion, MetricsSnapshot
+from tvc.procs.vllm_server import VllmServer
 
 pytestmark = pytest.mark.hw_any
 

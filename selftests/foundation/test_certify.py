@@ -40,7 +40,7 @@ def test_dry_run_requires_the_profiles_hardware(profile, require) -> None:
 
 def test_workers_default_to_four_and_zero_turns_xdist_off() -> None:
     pytest.importorskip("xdist")
-    assert " -n 4 " in certify("example", CERTIFY_DRY_RUN="1").stdout
+    assert " -n 5 " in certify("example", CERTIFY_DRY_RUN="1").stdout
     assert " -n " not in certify("example", CERTIFY_DRY_RUN="1",
                                  CERTIFY_WORKERS="0").stdout
 
@@ -80,3 +80,26 @@ def test_a_selection_passes_but_is_not_a_certification(tmp_path, spelling) -> No
             in last), last
     assert "test(s) deselected), not certified" in last, last
     assert "CERTIFIED" not in last
+
+
+def test_a_known_failure_is_a_finding_named_in_the_verdict(tmp_path) -> None:
+    """A [[known_failures]] entry (strict xfail) leaves pytest's status at 0; the
+    defect still stands, so certify lists it as a finding with its rerun command
+    and the verdict counts the known defects the profile accepted."""
+    prof = tmp_path / "known.toml"
+    prof.write_text(
+        '[profile]\nname = "known"\nextends = "example"\n'
+        '[connector]\nname = "TvcNoSuchConnectorClass"\n'
+        f'[scratch]\ndir = "{tmp_path}/scratch"\n'
+        '[[known_failures]]\ntest = "suites/level1/test_connector_resolves.py::*"\n'
+        'reason = "the class does not exist"\n'
+        'link = "https://example.invalid/issue/1"\n')
+    r = certify(str(prof), "-k", "test_connector_resolves", CERTIFY_WORKERS="0",
+                TVC_REPORTS_ROOT=str(tmp_path))
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:] + r.stderr[-2000:]
+    assert "certify: finding (xfailed):" in out and "--tvc-profile=" in out, out
+    last = out.strip().splitlines()[-1]
+    assert "not certified" in last and "CERTIFIED" not in last, last  # a -k run
+    n_xfailed = out.count("certify: finding (xfailed):")
+    assert f"with {n_xfailed} known defect(s) the profile accepts" in last, last

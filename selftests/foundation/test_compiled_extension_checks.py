@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tvc import vllm_install
-from tvc.profile import REPO_ROOT
+from tvc.config.profile import REPO_ROOT
+from tvc.env import vllm_install
 
 # this interpreter's own suffix, e.g. .cpython-311-x86_64-linux-gnu.so
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]

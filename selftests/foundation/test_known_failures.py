@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from selftests.conftest import run_suite
-from tvc import known_failures as kf
-from tvc.profile import BUILTIN_DIR, ProfileError, installed_vllm_version, load
+from tvc.config import known_failures as kf
+from tvc.config.profile import BUILTIN_DIR, ProfileError, installed_vllm_version, load
 
 INSTALL = "suites/level1/test_vllm_install.py"
 PASSING = f"{INSTALL}::test_python_satisfies_vllm_requires_python"  # passes here
@@ -191,3 +191,48 @@ def test_a_known_failure_covers_only_its_symptom(tmp_path: Path, symptom: str,
         assert f"not the known failure {TENANT!r}" in t["message"], t["message"]
     else:
         assert run.rc == 0, run.tail()
+
+
+def test_several_entries_for_one_test_each_cover_their_symptom(tmp_path: Path
+                                                               ) -> None:
+    """Two entries name the tenant test, each with its own symptom: a failure
+    with the SECOND entry's symptom is the known defect too (the exploration
+    meets several defects of one connector in one test)."""
+    first = _entry(TENANT, 99995, match="returned -\\\\d+, a negative")
+    second = _entry(TENANT, 99996, match="the connector ignores cache_salt")
+    path = _profile(tmp_path, first + second)
+    run = run_suite([TENANT, f"--tvc-profile={path}", "-rA"], tmp_path / "r")
+    t = run.test("test_tenant_isolation_cache_salt_and_lora")
+    assert t["outcome"] == "xfailed" and run.rc == 0, (t, run.tail())
+
+
+SUBCLASS = '''
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+)
+
+
+class MyExampleSubclass(ExampleConnector):
+    """A subclass that changes nothing: it has every defect of its parent."""
+'''
+
+
+def test_a_subclass_red_with_the_parents_symptom_names_the_parents_defect(
+        tmp_path: Path) -> None:
+    """A subclass extending ``example`` inherits the code, not the entries: its
+    tenant test is red (the defect is really there) and says whose defect it is
+    and the two ways out (fresh-user finding: 8 reds that did not say so)."""
+    (tmp_path / "my_subclass.py").write_text(SUBCLASS)
+    path = tmp_path / "sub.toml"
+    path.write_text(
+        '[profile]\nname = "sub"\nextends = "example"\n'
+        '[connector]\nname = "MyExampleSubclass"\nmodule_path = "my_subclass"\n'
+        f'[scratch]\ndir = "{tmp_path / "scratch"}"\n')
+    run = run_suite([TENANT, f"--tvc-profile={path}", "-rA"], tmp_path / "r",
+                    env={"PYTHONPATH": str(tmp_path)})
+    t = run.test("test_tenant_isolation_cache_salt_and_lora")
+    assert t["outcome"] == "failed" and run.rc == 1, (t, run.tail())
+    assert "ignores cache_salt" in t["message"], t["message"]
+    assert "this is ExampleConnector's known defect" in t["message"], t["message"]
+    assert "MyExampleSubclass inherits ExampleConnector's code" in t["message"]
+    assert str(BUILTIN_DIR / "example.toml") in t["message"], t["message"]

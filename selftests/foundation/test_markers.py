@@ -14,8 +14,8 @@ import pytest
 
 from selftests.conftest import run_suite
 from selftests.foundation import fakes
-from tvc.plugin import parse_require, read_markers
-from tvc.profile import REPO_ROOT
+from tvc.config.profile import REPO_ROOT
+from tvc.plugin.hooks import parse_require, read_markers
 
 DUMP_PLUGIN = '''\
 import json, os
@@ -32,7 +32,7 @@ def _sections() -> tuple[set[str], set[str]]:
     import configparser
 
     cp = configparser.ConfigParser(interpolation=None)
-    cp.read(REPO_ROOT / "markers.ini")
+    cp.read(REPO_ROOT / "tvc" / "data" / "markers.ini")
     return set(cp["tiers"]), set(cp["hardware"])
 
 

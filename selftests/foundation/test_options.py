@@ -1,4 +1,4 @@
-"""The suite's options: ``--tvc-*`` names, deprecated aliases, the run seed.
+"""The suite's options: ``--tvc-*`` names only (no old spellings), the run seed.
 
 Also: the environment a vLLM server inherits carries no ``TVC_*`` and no ``VLLM_*``
 name vLLM does not define (vLLM warns about those, ``vllm/envs.py: validate_environ``).
@@ -15,21 +15,19 @@ import pytest
 
 from selftests.conftest import REPO_ROOT, run_suite
 from selftests.foundation.synthetic import write_tests
-from tvc import plugin
-from tvc.server_env import known_vllm_env_vars, server_environ
+from tvc.plugin import hooks as plugin
+from tvc.procs.server_env import known_vllm_env_vars, server_environ
 
 SEED_TEST = {"test_seed.py": """
     import os
 
     import pytest
 
-    from tvc.session import state
-
     pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 
     @pytest.mark.parametrize("i", range(4))
-    def test_seed(i, record_property):
-        record_property("seed", state().seed)
+    def test_seed(i, tvc_seed, record_property):
+        record_property("seed", tvc_seed)
         record_property("xdist_worker", os.environ.get("PYTEST_XDIST_WORKER", ""))
     """}
 
@@ -74,8 +72,8 @@ def test_bad_seed_is_an_argparse_error_naming_the_option(tmp_path) -> None:
                                      "not above zero"),
     ("--tvc-trace-time-scale=-1", "argument --tvc-trace-time-scale: '-1' is "
                                   "negative"),
-    ("--trace-max-requests=x", "argument --trace-max-requests: 'x' is not an "
-                               "integer"),
+    ("--tvc-trace-max-requests=x", "argument --tvc-trace-max-requests: 'x' is not "
+                                   "an integer"),
 ], ids=lambda v: v if v.startswith("--") else "")
 def test_bad_option_values_are_argparse_errors_naming_the_option(
         tmp_path, arg, message) -> None:
@@ -103,35 +101,27 @@ def test_random_seed_differs_per_run_and_xdist_workers_share_it(tmp_path) -> Non
     assert all(plugin.SEED_RANGE[0] <= s < plugin.SEED_RANGE[1] for s in (a, b))
 
 
-def test_deprecated_aliases_work_and_print_one_line(tmp_path) -> None:
-    """``--profile``, ``--require``, ``--report-dir``, ``--trace-*`` still work."""
-    report = tmp_path / "r"
-    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
-            "no:xdist", *write_tests(tmp_path / "t", SEED_TEST),
-            "--profile", "example", "--require=gpu", f"--report-dir={report}",
-            "--trace-size=large", "--trace-concurrency=3"]
-    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    lines = [ln for ln in out.splitlines() if "deprecated option spelling" in ln]
-    assert lines == [
-        "tvc: deprecated option spelling(s) used: --profile -> --tvc-profile, "
-        "--report-dir -> --tvc-report-dir, --require -> --tvc-require, "
-        "--trace-concurrency -> --tvc-trace-concurrency, --trace-size -> "
-        "--tvc-trace-size; the old names will be removed"], out[-3000:]
-    assert (report / "summary.json").is_file()  # --report-dir took effect
-    assert "strict (--tvc-require): gpu" in out  # --require took effect
+@pytest.mark.parametrize("old", [
+    "--profile=example", "--require=gpu", "--report-dir=r", "--trace-size=large",
+    "--trace-file=t.jsonl", "--trace-time-scale=2", "--trace-max-duration=9",
+    "--trace-concurrency=3", "--trace-max-requests=4"])
+def test_spellings_outside_the_tvc_namespace_are_refused(tmp_path, old) -> None:
+    """Only ``--tvc-*`` names exist: an old spelling is pytest's usage error."""
+    run = run_suite([*write_tests(tmp_path / "t", SEED_TEST), "-p", "no:xdist", old],
+                    tmp_path / "r")
+    assert run.rc == 4 and run.summary is None, run.tail()
+    assert f"unrecognized arguments: {old}" in run.stdout, run.tail()
 
 
-def test_new_spellings_print_no_deprecation(tmp_path) -> None:
+def test_tvc_spellings_take_effect(tmp_path) -> None:
     run = run_suite([*write_tests(tmp_path / "t", SEED_TEST), "-p", "no:xdist",
                      "--tvc-profile=example", "--tvc-require=gpu"], tmp_path / "r")
     assert run.rc == 0, run.tail()
-    assert "deprecated" not in run.stdout
+    assert "strict (--tvc-require): gpu" in run.stdout, run.tail()
+    assert run.summary["profile"]["name"] == "example"
 
 
-def test_alias_owned_by_another_plugin_is_left_to_it(tmp_path) -> None:
+def test_another_plugins_profile_option_is_left_to_it(tmp_path) -> None:
     """A plugin owning ``--profile`` (as pytest-profiling does) keeps it.
 
     The other plugin is a ``-p`` module here (loaded before the entry points); its
@@ -160,13 +150,6 @@ def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TVC_")}
 
 
-def test_aliases_are_only_those_without_owner() -> None:
-    parser = pytest.Parser(_ispytest=True)
-    parser.getgroup("other").addoption("--profile", action="store_true")
-    assert "--profile" not in plugin.add_aliases(parser)
-    assert "--report-dir" in plugin.add_aliases(pytest.Parser(_ispytest=True))
-
-
 def test_server_environment_drops_suite_and_unknown_vllm_names() -> None:
     known = frozenset({"VLLM_SERVER_DEV_MODE"})
     env = server_environ({"TVC_SEED": "1", "TVC_VLLM_SOURCE": "/src",
@@ -178,7 +161,7 @@ def test_server_environment_drops_suite_and_unknown_vllm_names() -> None:
 def test_known_vllm_names_come_from_the_installed_vllm_without_importing_it() -> None:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here")
-    code = ("import sys; from tvc.server_env import known_vllm_env_vars as k; "
+    code = ("import sys; from tvc.procs.server_env import known_vllm_env_vars as k; "
             "n = k(); print(len(n), 'VLLM_SERVER_DEV_MODE' in n, "
             "'VLLM_SOURCE' in n, 'torch' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, text=True,
@@ -190,7 +173,7 @@ def test_known_vllm_names_come_from_the_installed_vllm_without_importing_it() ->
 def test_no_vllm_source_name_is_left(tmp_path) -> None:
     """Only ``TVC_VLLM_SOURCE`` remains (built-in profiles, README, scripts)."""
     hits = []
-    for path in [*REPO_ROOT.glob("profiles/*.toml"), REPO_ROOT / "README.md",
+    for path in [*REPO_ROOT.glob("tvc/data/profiles/*.toml"), REPO_ROOT / "README.md",
                  *REPO_ROOT.glob("scripts/**/*.sh"), *REPO_ROOT.glob("tvc/*.py")]:
         text = Path(path).read_text()
         if "VLLM_SOURCE" in text.replace("TVC_VLLM_SOURCE", ""):

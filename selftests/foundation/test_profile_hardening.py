@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tvc.profile import BUILTIN_DIR, ProfileError, load
+from tvc.config.profile import BUILTIN_DIR, ProfileError, load
 
 EXAMPLE = (BUILTIN_DIR / "example.toml").read_text()
 

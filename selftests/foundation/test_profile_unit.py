@@ -1,4 +1,4 @@
-"""Unit tests of tvc/profile.py: defaults, interpolation, types, hit rules."""
+"""Unit tests of tvc/config/profile.py: defaults, interpolation, types, hit rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from selftests.foundation import fakes
-from tvc.profile import (
+from tvc.config.profile import (
+    BUILTIN_DIR,
     REPO_ROOT,
     SCHEMA,
     ProfileError,
@@ -144,7 +145,7 @@ def test_builtin_hit_rules_are_block_aligned_and_below_len(n: int, b: int) -> No
     enabled) receives the producer's KV of every prompt token but the last, not
     whole blocks of a store: P2pNcclConnector matches len - 1.)
     """
-    for path in sorted((REPO_ROOT / "profiles").glob("*.toml")):
+    for path in sorted((BUILTIN_DIR).glob("*.toml")):
         prof = load(str(path), env={})
         c = prof["connector"]
         if prof.granularity_tokens(b) % b:
@@ -188,12 +189,12 @@ def test_eval_rule_agrees_with_python(n: int, b: int, c: int) -> None:
     assert _eval_rule(expr, n, b) == (n - c) // b * b + c * (b - 1)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "profiles")
+@pytest.mark.parametrize("name", sorted(p.stem for p in (BUILTIN_DIR)
                                         .glob("*.toml")))
 def test_builtin_profiles_load_without_environment(name: str) -> None:
     prof = load(name, env={})
     assert prof.name == name
-    assert prof.source == REPO_ROOT / "profiles" / f"{name}.toml"
+    assert prof.source == BUILTIN_DIR / f"{name}.toml"
     for key in prof["connector"]["required_extra_config_keys"]:
         assert get_extra_config_key(prof["connector"]["extra_config"], key)[0], (
             name, key)
@@ -252,7 +253,7 @@ def test_rule_language(expr: str, n: int, b: int, want: int) -> None:
 
 
 def test_rule_may_name_numeric_extra_config_keys() -> None:
-    path = _profile(HEAD + 'extra_config = { chunk_tokens = 256, path = "/x", '
+    path = _profile(HEAD + 'extra_config = { chunk_tokens = 256, path = "x/y", '
                     'flag = true }\nhit_rule = "len // chunk_tokens * chunk_tokens"\n'
                     'granularity = "max(B, chunk_tokens)"\n', "vars.toml")
     prof = load(str(path), env={})
@@ -260,7 +261,7 @@ def test_rule_may_name_numeric_extra_config_keys() -> None:
     assert prof.granularity_tokens(16) == 256
     assert prof.granularity_tokens(512) == 512
     for name in ("path", "flag", "nosuch"):  # not numbers / not there
-        bad = _profile(HEAD + 'extra_config = { path = "/x", flag = true }\n'
+        bad = _profile(HEAD + 'extra_config = { path = "x/y", flag = true }\n'
                        f'hit_rule = "len // {name}"\n', "badvar.toml")
         with pytest.raises(ProfileError, match=rf"unknown name '{name}' \(variables:"):
             load(str(bad), env={})
@@ -299,7 +300,7 @@ def test_hit_rules_first_matching_range_wins(version, want, source) -> None:
 
 
 def test_hit_rules_default_to_the_installed_vllm(monkeypatch) -> None:
-    import tvc.profile as tp
+    import tvc.config.profile as tp
 
     prof = load(str(_profile(HIT_RULES, "ranged2.toml")), env={})
     monkeypatch.setattr(tp, "installed_vllm_version", lambda: "0.29.1")
@@ -326,12 +327,12 @@ def test_bad_hit_rules_name_the_entry(entry: str, match: str) -> None:
 
 
 def test_lab_disk_inherits_examples_connector_and_hit_rule() -> None:
-    """Issue 13: lab-disk's stale rule copy (no (len-1) % B == 0 case) is gone."""
+    """lab-disk's former stale rule copy (no (len-1) % B == 0 case) is gone."""
     example, lab = load("example", env={}), load("lab-disk", env={})
     assert lab["profile"]["extends"] == "example"
-    assert lab.chain == (REPO_ROOT / "profiles" / "lab-disk.toml",
-                         REPO_ROOT / "profiles" / "example.toml")
-    assert "hit_rule" not in (REPO_ROOT / "profiles" / "lab-disk.toml").read_text()
+    assert lab.chain == (BUILTIN_DIR / "lab-disk.toml",
+                         BUILTIN_DIR / "example.toml")
+    assert "hit_rule" not in (BUILTIN_DIR / "lab-disk.toml").read_text()
     assert lab["connector"] == {**example["connector"], "extra_config": {
         "shared_storage_path": str(lab.scratch / "example-store")}}
     for b in (16, 32):
@@ -459,7 +460,7 @@ def test_dotted_required_keys_are_paths_into_extra_config() -> None:
 
 
 def test_pop_extra_config_key_removes_only_the_leaf() -> None:
-    from tvc.profile import pop_extra_config_key
+    from tvc.config.profile import pop_extra_config_key
 
     extra = {"store": {"options": {"num_chunks": 8, "keep": 1}}, "top": 2}
     assert pop_extra_config_key(extra, "store.options.num_chunks")
@@ -502,7 +503,7 @@ def test_bandwidth_grades_have_one_home() -> None:
               ("single_disk_gbps", "numa_node_gbps", "machine_gbps")}
     assert grades == {"single_disk_gbps": 7.0, "numa_node_gbps": 28.0,
                       "machine_gbps": 50.0}  # target-system.md
-    for path in sorted((REPO_ROOT / "profiles").glob("*.toml")):
+    for path in sorted((BUILTIN_DIR).glob("*.toml")):
         prof = load(str(path), env={})
         for key, default in grades.items():
             line = f"{key} = {default}"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tvc.report import RunReport, check_run_dir
+from tvc.plugin.report import RunReport, check_run_dir
 
 
 def phase(nodeid: str, when: str, outcome: str) -> pytest.TestReport:

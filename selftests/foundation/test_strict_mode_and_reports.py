@@ -86,7 +86,7 @@ def test_unknown_required_level_is_an_argparse_error_naming_the_option(tmp_path
                      "gpu,bogus"], tmp_path / "r")
     assert run.rc == 4 and run.summary is None
     assert ("error: argument --tvc-require: unknown hardware level 'bogus' "
-            "(known: gpu, gpu2, nvme, all)") in run.stdout, run.tail()
+            "(known: gpu, gpu2, nvme, all, coverage)") in run.stdout, run.tail()
     assert "Traceback" not in run.stdout
 
 
@@ -96,13 +96,18 @@ def test_unknown_required_level_from_environment_is_one_line(tmp_path) -> None:
     assert run.rc == 4 and run.summary is None
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert lines == ["ERROR: TVC_REQUIRE: unknown hardware level 'bogus' "
-                     "(known: gpu, gpu2, nvme, all)"]
+                     "(known: gpu, gpu2, nvme, all, coverage)"]
 
 
 def _junit_counts(run: SuiteRun) -> dict[str, int]:
+    """The suite's counts, less a run-outcome case (summary.json's ``run``)."""
     suite = run.junit().find("testsuite")
     tests, failures, errors, skipped = (int(suite.get(k)) for k in
                                         ("tests", "failures", "errors", "skipped"))
+    outcome_cases = [c for c in suite.iter("testcase")
+                     if c.get("name") == "tvc-run-outcome"]
+    tests -= len(outcome_cases)
+    failures -= len(outcome_cases)
     return {"passed": tests - failures - errors - skipped, "failed": failures,
             "error": errors, "skipped": skipped}
 
@@ -148,7 +153,7 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
     """Without --tvc-report-dir the run writes <reports root>/<time>-<profile>/.
 
     ``reports/latest`` then points at it. The reports root is moved under tmp_path
-    with ``TVC_REPORTS_ROOT`` (tvc/report.py), so this self-test leaves no run
+    with ``TVC_REPORTS_ROOT`` (tvc/plugin/report.py), so this self-test leaves no run
     folder in the repo's own ``reports/`` and never moves its ``latest``.
     """
     root = tmp_path / "reports"
@@ -164,7 +169,7 @@ def test_default_report_dir_is_a_run_folder_under_reports(tmp_path) -> None:
     run_dir = Path(lines[-1].split()[1].removesuffix("junit.xml").rstrip("/"))
     assert run_dir.parent == root, (
         f"the run folder {run_dir} is not under TVC_REPORTS_ROOT={root}: the run "
-        "wrote into the repo's reports/ (tvc/report.py REPORTS_ROOT)")
+        "wrote into the repo's reports/ (tvc/plugin/report.py REPORTS_ROOT)")
     assert run_dir.name.endswith("-example"), run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["counts"]["skipped"] == 2

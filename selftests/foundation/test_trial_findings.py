@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from selftests.conftest import REPO_ROOT, run_suite
-from tvc.profile import BUILTIN_DIR, ProfileError, load
+from tvc.config.profile import BUILTIN_DIR, ProfileError, load
 
 pytestmark = [pytest.mark.hw_any, pytest.mark.level1]
 
@@ -45,7 +45,7 @@ def test_a_known_failure_glob_must_name_suite_tests(tmp_path: Path):
 
 def test_summary_page_on_a_cut_off_summary_json_is_one_line(tmp_path: Path):
     (tmp_path / "summary.json").write_text("{")
-    r = subprocess.run([sys.executable, "-m", "tvc.summary_page", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "tvc.plugin.summary_page", str(tmp_path)],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr

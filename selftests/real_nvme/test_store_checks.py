@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tvc import store_checks as sc
-from tvc.store import (
+from tvc.store import checks as sc
+from tvc.store.gpu_direct import (
     GpuDirectStore,
     PosixStore,
     StoreError,
@@ -21,7 +21,7 @@ CAP = (8 << 20) + 12345  # a capacity that is not a multiple of 4 KiB
 DEV = "cpu"
 
 
-def spec_for(tmp_path: Path, factory: str = "tvc.store:open_posix_store",
+def spec_for(tmp_path: Path, factory: str = "tvc.store.gpu_direct:open_posix_store",
              **over) -> StoreSpec:
     kw = dict(factory=factory, path=str(tmp_path / "scratch" / "store"),
               pool_bytes=CAP, options={}, scratch=str(tmp_path / "scratch"))
@@ -231,7 +231,7 @@ def _fake_kvikio(preferred: bool, gds: bool):
 
 
 def test_kvikio_path_is_compat_when_kvikio_prefers_compat():
-    from tvc.store import kvikio_io_path
+    from tvc.store.gpu_direct import kvikio_io_path
 
     path, facts = kvikio_io_path(_fake_kvikio(preferred=True, gds=False))
     assert path == "compat" and "kvikio compat mode" in facts["why"]
@@ -239,7 +239,7 @@ def test_kvikio_path_is_compat_when_kvikio_prefers_compat():
 
 
 def test_kvikio_path_is_not_gds_without_the_nvidia_fs_driver(monkeypatch):
-    from tvc import store as st
+    from tvc.store import gpu_direct as st
 
     monkeypatch.setattr(st.Path, "exists", lambda self: False)
     path, facts = st.kvikio_io_path(_fake_kvikio(preferred=False, gds=True))

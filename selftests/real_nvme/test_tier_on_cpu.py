@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tvc.store import StoreSpec, open_store
+from tvc.store.gpu_direct import StoreSpec, open_store
 
 pytestmark = pytest.mark.hw_any
 
@@ -23,7 +23,8 @@ def cpu_tier(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(tier, "DEVICE", "cpu")
     monkeypatch.setattr(tier, "CONCURRENT_SPAN", 1 << 20)
     monkeypatch.setattr(tier, "CROSS_PROCESS_BYTES", (1 << 20) + 17)
-    spec = StoreSpec("tvc.store:open_posix_store", str(tmp_path / "s" / "store"),
+    spec = StoreSpec("tvc.store.gpu_direct:open_posix_store",
+                     str(tmp_path / "s" / "store"),
                      80 << 20, {}, str(tmp_path / "s"))
     store = open_store(spec)
     props: dict = {}

@@ -68,7 +68,7 @@ class FakeServer:
         return f"http://127.0.0.1:{self._httpd.server_address[1]}"
 
     def client(self, timeout_s: float = 30.0) -> Any:
-        from tvc.vllm_server import VllmClient
+        from tvc.procs.client import VllmClient
 
         return VllmClient(self.url, timeout_s=timeout_s)
 
@@ -123,6 +123,9 @@ class FakeServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         daemon=True)
         self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._httpd is not None
 
     def stop(self) -> None:
         if self._httpd is not None:

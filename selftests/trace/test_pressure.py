@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from selftests.trace.fake_server import FakeServer
-from tvc import trace as tr
-from tvc.profile import load
-from tvc.trace_bench import TraceCampaign, resolve_settings
+from tvc.config.profile import load
+from tvc.trace import replay as tr
+from tvc.trace.bench import TraceCampaign, resolve_settings
 
 SRC = tr.source_metric_key
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tvc import summary_page as sp
-from tvc import trace as tr
+from tvc.plugin import summary_page as sp
+from tvc.trace import replay as tr
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -176,11 +176,11 @@ def test_page_without_trace_or_bandwidth_has_no_charts(tmp_path: Path) -> None:
 def test_cli_writes_the_page_and_refuses_a_folder_without_summary(tmp_path: Path
                                                                   ) -> None:
     run = make_run_dir(tmp_path)
-    ok = subprocess.run([sys.executable, "-m", "tvc.summary_page", str(run)],
+    ok = subprocess.run([sys.executable, "-m", "tvc.plugin.summary_page", str(run)],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "html: " in ok.stdout and (run / "summary.html").is_file()
-    bad = subprocess.run([sys.executable, "-m", "tvc.summary_page",
+    bad = subprocess.run([sys.executable, "-m", "tvc.plugin.summary_page",
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "no summary.json here" in bad.stderr
@@ -220,7 +220,7 @@ def test_merged_reasons_name_every_test_they_cover(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_run_is_not_called_a_pass() -> None:
-    from tvc.summary_page import verdict
+    from tvc.plugin.summary_page import verdict
 
     interrupted = {"run": {"exit_status": 2},
                    "counts": {"passed": 3, "failed": 0, "skipped": 1, "error": 0,

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tvc import trace as tr
-from tvc.profile import load
-from tvc.trace_bench import SIZES, resolve_settings
+from tvc.config.profile import load
+from tvc.trace import replay as tr
+from tvc.trace.bench import SIZES, resolve_settings
 
 
 def rec(i: int, ids: list[int], length: int, ts: float = 0.0, out: int = 8
@@ -117,7 +117,8 @@ def test_trace_reader_names_file_and_line(tmp_path: Path) -> None:
 def test_shipped_trace_is_reproducible_from_its_seed() -> None:
     text = tr.dump_trace(tr.generate_trace(seed=0))
     assert tr.SHIPPED_TRACE.read_text() == text, (
-        "traces/smoke.jsonl differs from `python3 scripts/make_trace.py --seed 0`")
+        "tvc/data/traces/smoke.jsonl differs from "
+        "`python3 scripts/make_trace.py --seed 0`")
     recs = tr.load_trace(tr.SHIPPED_TRACE)
     firsts = [r.hash_ids[0] for r in recs]
     assert len(set(firsts)) < len(recs)  # shared prefixes

@@ -1,6 +1,6 @@
 """A stand-in for a vLLM server of a P/D pair (or a baseline) in self-tests.
 
-Accepts the argv :class:`tvc.vllm_server.VllmServer` builds. Its greedy output is
+Accepts the argv :class:`tvc.procs.vllm_server.VllmServer` builds. Its greedy output is
 token i = (sum(prompt) + i) % 97 + 3 (top-2 logprobs -0.1 / -2.5), like a baseline
 engine. With ``--kv-transfer-config`` it plays the connector by ``kv_role``:
 

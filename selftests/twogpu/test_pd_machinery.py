@@ -1,4 +1,4 @@
-"""tvc.pd on CPU: settings, role configs, start-up checks, and the router against
+"""tvc.pd.pair on CPU: settings, role configs, start-up checks, and the router against
 fake producer/consumer servers for every routing convention, good and faulty."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tvc import pd as PD
-from tvc.profile import load
-from tvc.vllm_server import Completion, VllmServer
+from tvc.config.profile import load
+from tvc.pd import pair as PD
+from tvc.procs.client import Completion
+from tvc.procs.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.hw_any]
 

@@ -40,7 +40,7 @@ def _run(tmp_path: Path, cls: str, select: str):
     prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
                                    scratch=tmp_path / "scratch"))
     return run_suite(
-        ["suites/contract/test_tp.py", "-k", select, f"--profile={prof}", "-q",
+        ["suites/contract/test_tp.py", "-k", select, f"--tvc-profile={prof}", "-q",
          "-p", "no:xdist"],
         tmp_path / "report", env={"PYTHONPATH": fakes.pythonpath(HERE)},
         timeout_s=600)

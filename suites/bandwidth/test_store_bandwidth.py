@@ -1,9 +1,9 @@
 """bandwidth: the store's write and read GB/s against the profile's graded thresholds.
 
 One module-scoped measurement (``bench``) drives the profile's store
-(``tvc/store.py``) from GPU memory: for each I/O size in 256 KiB..64 MiB,
+(``tvc/store/gpu_direct.py``) from GPU memory: for each I/O size in 256 KiB..64 MiB,
 ``REPETITIONS`` passes of 1 GiB written (with sync) and read (page cache dropped
-first); median/min/max in GB/s and GiB/s (``tvc/bandwidth.py``). In the same run
+first); median/min/max in GB/s and GiB/s (``tvc/store/bandwidth.py``). In the same run
 it measures two reference lines: kvikio's own read/write of the same pool file and
 pinned host <-> device copies (the PCIe ceiling). Figures go to the JUnit properties
 and summary.json; the run folder gets ``bandwidth.png`` and ``bandwidth.json``.
@@ -16,18 +16,17 @@ from typing import Any
 
 import pytest
 
-from tvc import bandwidth as bw
-from tvc.session import state
-from tvc.store import StoreError, StoreSpec, create_pool
+from tvc.store import bandwidth as bw
+from tvc.store.gpu_direct import StoreError, StoreSpec, create_pool
 
 pytestmark = [pytest.mark.bandwidth, pytest.mark.hw_nvme]
 
 DEVICE = "cuda"
 
 
-def _run_dir(config: pytest.Config) -> Path:
+def _run_dir(run_dir: Path | None, profile: Any) -> Path:
     # the run folder on the xdist controller and its workers alike
-    return state().run_dir or state().profile.scratch / "bandwidth-report"
+    return run_dir or profile.scratch / "bandwidth-report"
 
 
 def _size_name(s: int) -> str:
@@ -35,14 +34,15 @@ def _size_name(s: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def bench(gpu_store, store_spec: StoreSpec, request) -> dict[str, Any]:
+def bench(gpu_store, store_spec: StoreSpec, tvc_profile, tvc_run_dir
+          ) -> dict[str, Any]:
 
     store = gpu_store
     if store.capacity < bw.TOTAL_BYTES:
         pytest.fail(f"the bandwidth tier moves {bw.TOTAL_BYTES} bytes per "
                     f"measurement, but the store's pool has {store.capacity}; set "
                     "[store] pool_bytes >= 1073741824 in the profile", pytrace=False)
-    prof = state().profile
+    prof = tvc_profile
     section = prof["bandwidth"]
     threshold, tier = bw.threshold_gbps(section["num_disks"], section)
     res: dict[str, Any] = {"write": {}, "read": {}, "labels": {}, "refs": {},
@@ -73,7 +73,7 @@ def bench(gpu_store, store_spec: StoreSpec, request) -> dict[str, Any]:
         res["ref_errors"]["pinned"] = str(exc)
     if not files:
         ref_file.unlink(missing_ok=True)
-    run_dir = _run_dir(request.config)
+    run_dir = _run_dir(tvc_run_dir, prof)
     title = (f"{prof.name}: {store.describe().get('adapter', '?')} store, io_path "
              f"{store.io_path}, {tier}; {bw.TOTAL_BYTES // bw.GIB} GiB x "
              f"{bw.REPETITIONS} reps per bar")
@@ -117,11 +117,11 @@ def test_store_read_throughput_meets_profile_threshold(bench, record_property
 
 
 def test_store_io_path_is_gpu_direct_when_the_profile_requires_it(
-        bench, record_property) -> None:
+        bench, record_property, tvc_profile) -> None:
     record_property("io_path", bench["io_path"])
     for k, v in bench["store"].items():
         record_property(f"store.{k}", v)
-    if state().profile["bandwidth"]["require_gds"] and bench["io_path"] != "gds":
+    if tvc_profile["bandwidth"]["require_gds"] and bench["io_path"] != "gds":
         why = bench["store"].get("why", "")
         pytest.fail(
             f"I/O path: the profile requires GPUDirect Storage ([bandwidth] "

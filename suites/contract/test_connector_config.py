@@ -17,7 +17,7 @@ import copy
 import pytest
 
 from tvc import contract as C
-from tvc.profile import pop_extra_config_key
+from tvc.config.profile import pop_extra_config_key
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 def _create(profile, scratch, ktc) -> str:
     """Create the scheduler-side connector through vLLM; return the error ('' = ok)."""
     try:
-        rig = C.make_rig(profile, scratch, kv_transfer_config=ktc, real_worker=False)
+        rig = C.make_rig(profile, scratch, kv_transfer_config=ktc,
+                        scheduler_only=True)
     except C.HarnessIncompatible:
         raise  # the suite cannot drive this vLLM: an error, not the answer
     except Exception as exc:  # noqa: BLE001 - any creation failure is the answer
@@ -36,10 +37,26 @@ def _create(profile, scratch, ktc) -> str:
     return ""
 
 
-def _keys(section_key: str) -> list:
-    from tvc.session import state
+# the test's key parameter -> the connector section's list of keys it takes
+KEY_LISTS = {
+    "test_missing_required_key_fails_at_creation_naming_it":
+        "required_extra_config_keys",
+    "test_bad_size_value_fails_at_creation_naming_it": "size_keys",
+}
 
-    return state().profile["connector"][section_key] or [None]
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``key``: the keys the run's profile lists (``[None]``: none, a skip).
+
+    Parametrization happens at collection, before any fixture: the profile comes
+    from the plugin's run state (:func:`tvc.plugin.session.run_state`).
+    """
+    from tvc.plugin import session
+
+    section_key = KEY_LISTS.get(metafunc.function.__name__)
+    if section_key is not None:
+        profile = session.run_state(metafunc.config).profile
+        metafunc.parametrize("key", profile["connector"][section_key] or [None])
 
 
 def _need(key) -> None:
@@ -49,7 +66,6 @@ def _need(key) -> None:
                     "check")
 
 
-@pytest.mark.parametrize("key", _keys("required_extra_config_keys"))
 def test_missing_required_key_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key) -> None:
     _need(key)
@@ -65,7 +81,6 @@ def test_missing_required_key_fails_at_creation_naming_it(
 
 
 @pytest.mark.parametrize("bad", ["not-a-number", -1], ids=["wrong_type", "negative"])
-@pytest.mark.parametrize("key", _keys("size_keys"))
 def test_bad_size_value_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key, bad) -> None:
     _need(key)

@@ -17,19 +17,28 @@ from tvc import contract as C
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
-BLOCK_SIZES = (16, 32)  # issue 3 matrix
+BLOCK_SIZES = (16, 32)  # vLLM's default block size and the next power of two
 PROMPT_BLOCKS = (1, 4, 64)  # k in {k*B - 1, k*B, k*B + 1}; 64: prompts of 1-2k tokens
+OUTPUT_TOKENS = 2  # tvc.contract.builders.make_request's default max_tokens
 
 
-def _lengths(block_size: int, unit: int | None = None) -> list[int]:
+def _lengths(block_size: int, unit: int | None = None,
+             max_model_len: int = 4096) -> list[int]:
     """Prompt lengths k*U-1, k*U, k*U+1 for U = B and U = the storage unit G.
 
     G is ``connector.granularity`` (tokens per stored unit: B for per-block
-    stores, e.g. ``chunk_tokens`` for chunked ones), default B.
+    stores, e.g. ``chunk_tokens`` for chunked ones), default B. The largest k
+    is 64, or the largest that keeps ``k*U + 1`` prompt tokens plus the
+    output tokens within ``max_model_len`` (the rig's: a longer request never
+    finishes), so a chunk of 64 or 256 tokens still gets its longest prompts.
     """
     units = {block_size, unit or block_size}
-    return sorted({k * u + d for u in units for k in PROMPT_BLOCKS
-                   for d in (-1, 0, 1)})
+    out = set()
+    for u in units:
+        k_max = min(max(PROMPT_BLOCKS), (max_model_len - OUTPUT_TOKENS - 1) // u)
+        for k in {min(k, k_max) for k in PROMPT_BLOCKS}:
+            out.update(k * u + d for d in (-1, 0, 1) if k * u + d >= 1)
+    return sorted(out)
 
 
 def _store_then_replay(rig: C.Rig, num_tokens: int, **kw) -> tuple:
@@ -66,7 +75,8 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
                     "hit_rule_source to check hits exactly")
     rig = rig_factory(block_size=block_size)
     seen = {}
-    lengths = _lengths(block_size, contract_profile.granularity_tokens(block_size))
+    lengths = _lengths(block_size, contract_profile.granularity_tokens(block_size),
+                       rig.vllm_config.model_config.max_model_len)
     expected = {n: contract_profile.expected_hit_tokens(n, block_size)
                 for n in lengths}
     assert any(expected.values()), (
@@ -135,7 +145,7 @@ def test_async_load_completes_through_finished_receiving(rig_factory) -> None:
 
 def test_connector_metadata_survives_scheduler_to_worker_serialization(
         rig_factory) -> None:
-    rig = rig_factory(block_size=16, real_worker=False)
+    rig = rig_factory(block_size=16, scheduler_only=True)
     rig.driver.serialize = False  # check each metadata here, not in the driver
     _store_then_replay(rig, 3 * 16 + 7)
     assert rig.driver.metas, "the scheduler produced no connector metadata"

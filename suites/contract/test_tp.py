@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from tvc import contract as C
+from tvc.config.profile import Profile
+from tvc.contract import scenarios as S
 from tvc.contract import tp as TP
-from tvc.profile import Profile
+from tvc.contract.coverage import PROPERTY, merge_logs
 
 pytestmark = [pytest.mark.contract]
 
@@ -35,7 +37,7 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu-gloo"),
 CASES = [(16, 2), (16, 4)]
 
 
-def _gate(profile: Profile, device: str) -> None:
+def _gate(profile: Profile, device: str, missing_hardware: Any) -> None:
     sizes = TP.declared_tp_sizes(profile)
     if TP_SIZE not in sizes:
         pytest.skip(f"profile {profile.name} declares [vllm] tensor_parallel_sizes = "
@@ -49,18 +51,17 @@ def _gate(profile: Profile, device: str) -> None:
         import torch
 
         if torch.cuda.device_count() < TP_SIZE:
-            from tvc.session import missing_hardware
-
             missing_hardware("gpu2", f"torch sees {torch.cuda.device_count()} CUDA "
                              f"device(s); TP {TP_SIZE} needs one per rank.")
 
 
 @pytest.fixture
-def tp_rig_factory(contract_profile: Profile, contract_scratch: Path
-                   ) -> Iterator[Any]:
+def tp_rig_factory(contract_profile: Profile, contract_scratch: Path,
+                   record_property: Any) -> Iterator[Any]:
     """Factory ``(**kw) -> TPRig`` (see :func:`tvc.contract.tp.make_tp_rig`).
 
-    Every rig's rank processes are stopped after the test.
+    Every rig's rank processes are stopped after the test; the test records what
+    its rigs exercised (``tvc_coverage``, :mod:`tvc.contract.coverage`).
     """
     rigs: list[TP.TPRig] = []
 
@@ -75,6 +76,7 @@ def tp_rig_factory(contract_profile: Profile, contract_scratch: Path
     yield factory
     for rig in rigs:
         rig.close()
+    record_property(PROPERTY, merge_logs(TP.note_tp_rig(rig) for rig in rigs))
 
 
 def _store_then_replay(rig: TP.TPRig, n: int) -> tuple[Any, Any]:
@@ -91,11 +93,13 @@ def _store_then_replay(rig: TP.TPRig, n: int) -> tuple[Any, Any]:
 @pytest.mark.parametrize(("block_size", "num_kv_heads"), CASES,
                          ids=[f"B{b}-H{h}" for b, h in CASES])
 def test_tp_round_trip_is_bit_identical_on_every_rank(
-        tp_rig_factory, contract_profile, device, block_size, num_kv_heads) -> None:
-    _gate(contract_profile, device)
+        tp_rig_factory, contract_profile, device, block_size, num_kv_heads,
+        tvc_missing_hardware) -> None:
+    _gate(contract_profile, device, tvc_missing_hardware)
+    n = S.round_trip_len(contract_profile, block_size)  # whole chunks + a tail
     rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=block_size,
-                         num_kv_heads=num_kv_heads, num_blocks=64)
-    n = 4 * block_size + block_size // 2  # 4.5 blocks: whole blocks + a tail
+                         num_kv_heads=num_kv_heads,
+                         num_blocks=S.pool_blocks(n, block_size))
     _, second = _store_then_replay(rig, n)
     local, matched, _ = C.external_hit(rig.driver, second)
     assert matched > 0, (
@@ -115,7 +119,7 @@ def test_tp_round_trip_is_bit_identical_on_every_rank(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tp_load_error_on_one_rank_reaches_the_scheduler(
-        tp_rig_factory, contract_profile, device) -> None:
+        tp_rig_factory, contract_profile, device, tvc_missing_hardware) -> None:
     """Rank 1 reports the blocks it loaded as invalid; rank 0 reports none.
 
     With ``kv_load_failure_policy = "fail"`` (vLLM's default) vLLM must finish
@@ -124,12 +128,12 @@ def test_tp_load_error_on_one_rank_reaches_the_scheduler(
     """
     from vllm.v1.request import RequestStatus
 
-    _gate(contract_profile, device)
+    _gate(contract_profile, device, tvc_missing_hardware)
     ktc = dict(contract_profile.kv_transfer_config(), kv_load_failure_policy="fail")
+    n = S.round_trip_len(contract_profile, 16)
     rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=16,
-                         num_kv_heads=2, num_blocks=64, kv_transfer_config=ktc,
-                         rank_faults={1: "load_error"})
-    n = 4 * 16 + 8
+                         num_kv_heads=2, num_blocks=S.pool_blocks(n, 16),
+                         kv_transfer_config=ktc, rank_faults={1: "load_error"})
     _, second = _store_then_replay(rig, n)
     _, matched, _ = C.external_hit(rig.driver, second)
     assert matched > 0, (

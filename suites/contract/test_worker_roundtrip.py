@@ -20,6 +20,7 @@ import itertools
 import pytest
 
 from tvc import contract as C
+from tvc.contract import scenarios as S
 
 pytestmark = [pytest.mark.contract]
 
@@ -27,14 +28,18 @@ MATRIX = list(itertools.product((16, 32), (1, 2, 8), (64, 128),
                                 ("float16", "bfloat16")))
 DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu"),
            pytest.param("cuda", marks=pytest.mark.hw_gpu, id="cuda")]
+#: physical KV layouts: VLLM_KV_CACHE_LAYOUT or the connector's required layout
+#: picks one (vllm/v1/attention/backends/utils.py get_kv_cache_layout)
+KV_LAYOUTS = ("NHD", "HND")
 
 
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("block_size", "num_kv_heads", "head_size", "dtype"), MATRIX,
                          ids=[f"B{b}-H{h}-D{d}-{t}" for b, h, d, t in MATRIX])
 def test_loaded_kv_is_bit_identical_and_nothing_else_changes(
-        rig_factory, contract_profile, device, block_size, num_kv_heads, head_size,
-        dtype) -> None:
+        rig_factory, contract_profile, contract_scratch, device, kv_layout,
+        block_size, num_kv_heads, head_size, dtype, tvc_missing_hardware) -> None:
     import torch
 
     if device not in contract_profile["connector"]["worker_devices"]:
@@ -45,13 +50,24 @@ def test_loaded_kv_is_bit_identical_and_nothing_else_changes(
         pytest.skip(f"profile {contract_profile.name} declares worker_devices "
                     f"{contract_profile['connector']['worker_devices']} without cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        from tvc.session import missing_hardware
-        missing_hardware("gpu", "torch cannot see a CUDA device for the KV caches.")
+        tvc_missing_hardware("gpu", "torch cannot see a CUDA device for the KV "
+                             "caches.")
+    allowed = C.worker_kv_layouts(contract_profile, contract_scratch, device=device,
+                                  block_size=block_size, num_kv_heads=num_kv_heads,
+                                  head_size=head_size, dtype=dtype)
+    if kv_layout not in allowed:
+        pytest.skip(f"the engine hands this connector only {'/'.join(allowed)} "
+                    "(VLLM_KV_CACHE_LAYOUT in [vllm] env or the process, or the "
+                    "connector's get_required_kvcache_layout)")
+    n = S.round_trip_len(contract_profile, block_size)  # whole chunks + a tail
     rig = rig_factory(device=device, real_worker=True, block_size=block_size,
                       num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
-                      num_blocks=64)
+                      num_blocks=S.pool_blocks(n, block_size), kv_layout=kv_layout)
+    assert rig.worker.layout.kv_layout == kv_layout == \
+        rig.worker.layout.physical_layout(), (
+        f"the harness asked vLLM for {kv_layout} (VLLM_KV_CACHE_LAYOUT) but vLLM "
+        f"allocated {rig.worker.layout.label()}")
     w = rig.worker
-    n = 4 * block_size + block_size // 2  # 4.5 blocks: whole blocks + a tail
     first = rig.request(n)
     rig.driver.run(first)
     rig.forget_local_cache()
@@ -61,7 +77,8 @@ def test_loaded_kv_is_bit_identical_and_nothing_else_changes(
     local, matched, _ = C.external_hit(rig.driver, second)
     assert matched > 0, (
         f"replaying a stored {n}-token prompt matched 0 tokens; the worker-side "
-        "round trip needs a hit (check the scheduler-side tests first)")
+        "round trip needs a hit (check the scheduler-side tests first)"
+        + (f"; {cause}" if (cause := C.zero_match_cause(rig.driver)) else ""))
     assert w.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
         f"request {second.request_id} started computing at token "
         f"{w.loaded.get(second.request_id)} although {matched} tokens were matched")

@@ -1,6 +1,6 @@
 """e2e: the two-pass acceptance under other engine settings and another model.
 
-Each variant of :data:`tvc.acceptance.VARIANTS` runs its own pair of servers, one
+Each variant of :data:`tvc.e2e.acceptance.VARIANTS` runs its own pair of servers, one
 after the other: a baseline (the variant's model and serve args, no connector) and
 the connector server; pass 2 must hit by the profile's rule and both passes must
 match the baseline.
@@ -24,38 +24,68 @@ from pathlib import Path
 
 import pytest
 
-from tvc import acceptance as acc
-from tvc import two_pass as tp
-from tvc.model import build_tiny_model, prompt_token_range
-from tvc.session import state
+from tvc.e2e import acceptance as acc
+from tvc.e2e import two_pass as tp
+from tvc.env.model import build_tiny_model, prompt_token_range
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
 
 
+def variant_model(variant: str, served_model: Path, profile) -> Path | None:
+    """The variant's model folder, or None when the profile's model rules it out."""
+    v = acc.VARIANTS[variant]
+    if v.model == "profile":
+        return Path(served_model)
+    if profile["model"]["path"]:
+        return None
+    return build_tiny_model(profile.scratch / "models", v.model)
+
+
+def variant_serve_args(variant: str, profile) -> list[str]:
+    """The profile's serve args, then the variant's."""
+    return [*profile["vllm"]["serve_args"], *acc.VARIANTS[variant].serve_args]
+
+
+def tvc_servers(config, model, params):
+    """The server pool's plan (tvc.fixtures.vllm): the variant's baseline and server."""
+    from tvc.plugin import session
+    from tvc.procs.vllm_server import server_from_profile
+
+    profile = session.run_state(config).profile  # a hook: no fixtures yet
+    variant = params["variant"]
+    selected = acc.e2e_setting(profile, "variants", None)
+    vmodel = variant_model(variant, model, profile)
+    if vmodel is None or (selected is not None and variant not in selected):
+        return []
+    args = variant_serve_args(variant, profile)
+    return [server_from_profile(config, vmodel, f"vllm-baseline-{variant}",
+                                kv_transfer_config=None, serve_args=args),
+            server_from_profile(config, vmodel, f"vllm-{variant}", serve_args=args)]
+
+
 @pytest.mark.parametrize("variant", list(acc.VARIANTS))
 def test_engine_variant_hits_and_matches_its_baseline(
-        variant, vllm_server_factory, served_model, record_property):
+        variant, vllm_server_factory, served_model, tvc_profile, tvc_prompt_seed,
+        record_property):
     v = acc.VARIANTS[variant]
-    profile = state().profile
+    profile = tvc_profile
     selected = acc.e2e_setting(profile, "variants", None)
     if selected is not None and variant not in selected:
         pytest.skip(f"variant {variant} is not in the profile's [e2e] variants "
                     f"{list(selected)}")
-    model = Path(served_model)
-    if v.model != "profile":
-        if profile["model"]["path"]:
-            pytest.skip(f"variant {variant} runs the built-in tiny {v.model} model; "
-                        f"the profile names its own model ({profile['model']['path']})"
-                        " — run it with a profile whose [model] path is empty")
-        model = build_tiny_model(profile.scratch / "models", v.model)
+    model = variant_model(variant, served_model, profile)
+    if model is None:
+        pytest.skip(f"variant {variant} runs the built-in tiny {v.model} model; "
+                    f"the profile names its own model ({profile['model']['path']})"
+                    " — run it with a profile whose [model] path is empty")
     record_property("variant", v.doc)
-    acc.record_seed(record_property)
-    args = [*profile["vllm"]["serve_args"], *v.serve_args]
+    acc.record_seed(record_property, tvc_prompt_seed)
+    args = variant_serve_args(variant, profile)
 
     base = vllm_server_factory(f"vllm-baseline-{variant}", model=model,
                                kv_transfer_config=None, serve_args=args)
     book = acc.prompt_book(profile, base.client().block_size(),
-                           prompt_token_range(model))
+                           prompt_token_range(model), seed=tvc_prompt_seed[0])
     n = max(book.prompt_tokens, v.min_prompt_tokens)
     key = f"variant-{variant}"
     prompt = (book.repetitive_tokens(key, n) if v.prompt == "repetitive"
@@ -92,4 +122,5 @@ def test_engine_variant_hits_and_matches_its_baseline(
             "expected it to rise — the variant's feature never ran (check the "
             f"server log {srv.log_path})")
     record_property("expected_hit_tokens",
-                    acc.check_two_pass(r, srv.log_path, reference))
+                    acc.check_two_pass(r, srv.log_path, reference,
+                                       profile=profile))

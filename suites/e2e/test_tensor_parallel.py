@@ -4,10 +4,10 @@ For profiles declaring ``[vllm] tensor_parallel_sizes`` with 2. First a TP = 1
 server WITHOUT the connector computes the reference output of the prompt (greedy,
 top-k logprobs) and stops; then a TP = 2 server with the connector runs the
 two-pass acceptance check (pass 1 computed, pass 2 an external hit of the
-profile's hit rule, identical output; :func:`tvc.two_pass.check_acceptance`), and
+profile's hit rule, identical output; :func:`tvc.e2e.two_pass.check_acceptance`), and
 both of its passes must equal the TP = 1 output: the same greedy tokens (up to an
 exact tie) and top-k logprobs within ``[e2e] logprob_atol`` nats (default
-:data:`tvc.two_pass.LOGPROB_ATOL`; TP changes the all-reduce order, so the logits
+:data:`tvc.e2e.two_pass.LOGPROB_ATOL`; TP changes the all-reduce order, so the logits
 are close, not equal).
 
 One server at a time: the TP = 2 server uses GPUs 0 and 1 (``CUDA_VISIBLE_DEVICES``
@@ -21,19 +21,19 @@ import random
 
 import pytest
 
-from tvc import two_pass as tp
 from tvc.contract.tp import declared_tp_sizes
-from tvc.model import prompt_token_range
-from tvc.session import state
+from tvc.e2e import acceptance as acc
+from tvc.e2e import two_pass as tp
+from tvc.env.model import prompt_token_range
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu2]
 
 TP_SIZE = 2
 
 
-def _e2e(key: str, default):
+def _e2e(profile, key: str, default):
     """``[e2e] key`` of the profile, with a default until the schema has it."""
-    return state().profile.data.get("e2e", {}).get(key, default)
+    return profile.data.get("e2e", {}).get(key, default)
 
 
 def _compare(ref: tp.PassResult, got: tp.PassResult, prompt: list[int], block: int,
@@ -50,8 +50,9 @@ def _compare(ref: tp.PassResult, got: tp.PassResult, prompt: list[int], block: i
 
 
 def test_tp2_two_passes_equal_tp1_output(vllm_server_factory, served_model,
+                                         tvc_profile, tvc_prompt_seed,
                                          request, record_property) -> None:
-    profile = state().profile
+    profile = tvc_profile
     sizes = declared_tp_sizes(profile)
     if TP_SIZE not in sizes:
         pytest.skip(f"profile {profile.name} declares [vllm] tensor_parallel_sizes "
@@ -63,10 +64,10 @@ def test_tp2_two_passes_equal_tp1_output(vllm_server_factory, served_model,
         f"model {served_model}: {heads} attention heads / {kv_heads} KV heads do not "
         f"split over TP {TP_SIZE}; use a model whose head counts are multiples of "
         f"{TP_SIZE} or drop {TP_SIZE} from [vllm] tensor_parallel_sizes")
-    record_property("prompt_seed", tp.RUN_SEED)
-    rng: random.Random = tp.rng_for(request.node.nodeid)
-    length = int(_e2e("prompt_tokens", tp.ACCEPTANCE_PROMPT_TOKENS))
-    atol = float(_e2e("logprob_atol", tp.LOGPROB_ATOL))
+    acc.record_seed(record_property, tvc_prompt_seed)
+    rng: random.Random = tp.rng_for(request.node.nodeid, tvc_prompt_seed[0])
+    length = int(_e2e(profile, "prompt_tokens", tp.ACCEPTANCE_PROMPT_TOKENS))
+    atol = float(_e2e(profile, "logprob_atol", tp.LOGPROB_ATOL))
     prompt = tp.make_prompt(rng, length, *prompt_token_range(served_model))
     serve = list(profile["vllm"]["serve_args"])
 

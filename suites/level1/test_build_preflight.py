@@ -12,18 +12,17 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tvc import toolchain
-from tvc.session import state
+from tvc.env import toolchain
 
 pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 
 
 @pytest.fixture
-def build() -> dict:
+def build(tvc_profile) -> dict:
     """The profile's ``[build]`` section; skips when preflight is off."""
-    section = state().profile["build"]
+    section = tvc_profile["build"]
     if not section["preflight"]:
-        pytest.skip(f"profile {state().profile.name} does not build vLLM here "
+        pytest.skip(f"profile {tvc_profile.name} does not build vLLM here "
                     "([build] preflight = false); set it to true on build boxes")
     return section
 

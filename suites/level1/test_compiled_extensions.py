@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tvc.vllm_install import (
+from tvc.env.vllm_install import (
     discover_extensions,
     explain_import_error,
     import_extensions,

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tvc.session import state
-from tvc.vllm_install import resolve_connector, unimplemented_abstract_methods
+from tvc.env.vllm_install import resolve_connector, unimplemented_abstract_methods
 
 pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 
 
-def test_connector_resolves_as_vllm_resolves_it(vllm_module, record_property) -> None:
+def test_connector_resolves_as_vllm_resolves_it(vllm_module, tvc_profile,
+                                                record_property) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    cfg = state().profile.kv_transfer_config()
+    cfg = tvc_profile.kv_transfer_config()
     cls = resolve_connector(cfg)
     record_property("connector_class", f"{cls.__module__}.{cls.__qualname__}")
     assert isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1), (
@@ -21,10 +21,10 @@ def test_connector_resolves_as_vllm_resolves_it(vllm_module, record_property) ->
         "KVConnectorBase_V1 subclass: vLLM's V1 engine cannot drive it")
 
 
-def test_connector_implements_every_abstract_method(vllm_module) -> None:
+def test_connector_implements_every_abstract_method(vllm_module, tvc_profile) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    cls = resolve_connector(state().profile.kv_transfer_config())
+    cls = resolve_connector(tvc_profile.kv_transfer_config())
     missing = unimplemented_abstract_methods(cls, KVConnectorBase_V1)
     assert not missing, (
         f"{cls.__module__}.{cls.__qualname__} leaves {len(missing)} abstract method(s) "
@@ -33,20 +33,28 @@ def test_connector_implements_every_abstract_method(vllm_module) -> None:
         "between vLLM versions)")
 
 
-def _profile_imports() -> list[str]:
-    return state().profile["imports"]["modules"]
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``module``: the profile's ``[imports] modules`` (``[None]``: none, a skip).
+
+    At collection, before any fixture: the profile comes from the plugin's run
+    state (:func:`tvc.plugin.session.run_state`).
+    """
+    from tvc.plugin import session
+
+    if metafunc.function.__name__ == "test_profile_modules_import":
+        profile = session.run_state(metafunc.config).profile
+        metafunc.parametrize("module", profile["imports"]["modules"] or [None])
 
 
-@pytest.mark.parametrize("module", _profile_imports() or [None])
-def test_profile_modules_import(module) -> None:
+def test_profile_modules_import(module, tvc_profile) -> None:
     import importlib
 
-    from tvc.vllm_install import explain_import_error
+    from tvc.env.vllm_install import explain_import_error
 
     if module is None:
-        pytest.skip(f"profile {state().profile.name} declares no extra modules "
+        pytest.skip(f"profile {tvc_profile.name} declares no extra modules "
                     "([imports] modules)")
-    hint = state().profile["imports"]["hint"]
+    hint = tvc_profile["imports"]["hint"]
     try:
         importlib.import_module(module)
     except ImportError as exc:

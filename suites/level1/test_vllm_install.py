@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tvc.session import state
-from tvc.vllm_install import (
+from tvc.env.vllm_install import (
     modified_tracked_files,
     requires_python,
     torch_requirement,
@@ -21,11 +20,13 @@ from tvc.vllm_install import (
 pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 
 
-def _source_tree() -> Path:
-    tree = state().profile["vllm"]["source_tree"]
+@pytest.fixture
+def source_tree(tvc_profile) -> Path:
+    """The profile's ``vllm.source_tree``, resolved; skips when it names none."""
+    tree = tvc_profile["vllm"]["source_tree"]
     if not tree:
         pytest.skip(
-            f"profile {state().profile.name} names no vLLM source tree "
+            f"profile {tvc_profile.name} names no vLLM source tree "
             "(vllm.source_tree); export TVC_VLLM_SOURCE=/path/to/vllm to check an "
             "editable install")
     path = Path(tree).expanduser().resolve()
@@ -49,8 +50,8 @@ def test_vllm_imports(vllm_module, record_property) -> None:
         f"({vllm_module.__file__}); remove the stale one")
 
 
-def test_vllm_is_the_configured_source_tree(record_property) -> None:
-    tree = _source_tree()
+def test_vllm_is_the_configured_source_tree(source_tree, record_property) -> None:
+    tree = source_tree
     pkg = vllm_package_dir()
     record_property("vllm_source_tree", str(tree))
     assert pkg.is_relative_to(tree), (
@@ -60,8 +61,8 @@ def test_vllm_is_the_configured_source_tree(record_property) -> None:
         f"{sys.executable}'s environment")
 
 
-def test_source_tree_has_no_modified_tracked_files() -> None:
-    tree = _source_tree()
+def test_source_tree_has_no_modified_tracked_files(source_tree) -> None:
+    tree = source_tree
     changed = modified_tracked_files(tree)
     assert not changed, (
         f"{len(changed)} tracked file(s) modified in {tree} (the integration promises "

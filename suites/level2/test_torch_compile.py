@@ -11,8 +11,6 @@ import time
 
 import pytest
 
-from tvc.session import state
-
 pytestmark = pytest.mark.level2
 
 N_ELEMENTS = 1 << 20  # 1M float32 values = 4 MiB
@@ -24,12 +22,13 @@ def _f(x):
     return torch.sin((x + 1) * 2)
 
 
-def _check_compiled_matches_eager(device: str, record_property, monkeypatch) -> None:
+def _check_compiled_matches_eager(device: str, scratch, record_property, monkeypatch
+                                  ) -> None:
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    cache = state().profile.scratch / "inductor-cache"
+    cache = scratch / "inductor-cache"
     cache.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     torch._dynamo.reset()
@@ -55,10 +54,14 @@ def _check_compiled_matches_eager(device: str, record_property, monkeypatch) -> 
 
 
 @pytest.mark.hw_gpu
-def test_torch_compile_cuda_matches_eager(record_property, monkeypatch) -> None:
-    _check_compiled_matches_eager("cuda", record_property, monkeypatch)
+def test_torch_compile_cuda_matches_eager(tvc_profile, record_property, monkeypatch
+                                          ) -> None:
+    _check_compiled_matches_eager("cuda", tvc_profile.scratch, record_property,
+                                  monkeypatch)
 
 
 @pytest.mark.hw_any
-def test_torch_compile_cpu_matches_eager(record_property, monkeypatch) -> None:
-    _check_compiled_matches_eager("cpu", record_property, monkeypatch)
+def test_torch_compile_cpu_matches_eager(tvc_profile, record_property, monkeypatch
+                                         ) -> None:
+    _check_compiled_matches_eager("cpu", tvc_profile.scratch, record_property,
+                                  monkeypatch)

@@ -1,15 +1,15 @@
 """pd: a prefill/decode pair gives the output of one engine, the KV coming across.
 
 For profiles with ``[pd] enabled = true``. The producer (``kv_producer``, GPU 0)
-and the consumer (``kv_consumer``, GPU 1) are started by :class:`tvc.pd.PDPair`;
-the in-process :class:`tvc.pd.PDRouter` sends each request's prefill
+and the consumer (``kv_consumer``, GPU 1) are started by :class:`tvc.pd.pair.PDPair`;
+the in-process :class:`tvc.pd.pair.PDRouter` sends each request's prefill
 (``max_tokens = 1``) to the producer, then the whole request to the consumer,
 with the routing data the connector expects (``[pd] routing``). The consumer's
 ``vllm:external_prefix_cache_hits_total`` must rise by the profile's hit rule for
 every prompt (the KV came from the producer, not from its own compute). After the
 pair stops, one engine without a connector on GPU 0 computes the same prompts:
 the greedy tokens must be identical (up to an exact tie) and the top-k logprobs
-within ``[e2e] logprob_atol`` nats (default :data:`tvc.two_pass.LOGPROB_ATOL`).
+within ``[e2e] logprob_atol`` nats (default :data:`tvc.e2e.two_pass.LOGPROB_ATOL`).
 TTFT through the pair and of the baseline are recorded.
 """
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from tvc import pd as PD
-from tvc import two_pass as tp
-from tvc.model import prompt_token_range
+from tvc.e2e import acceptance as acc
+from tvc.e2e import two_pass as tp
+from tvc.env.model import prompt_token_range
+from tvc.pd import pair as PD
 
 pytestmark = [pytest.mark.pd]
 
@@ -33,10 +34,10 @@ def _e2e(profile, key: str, default):
 @pytest.mark.hw_gpu2
 def test_pd_output_equals_single_engine_and_kv_came_from_producer(
         pd_pair_factory, pd_baseline_factory, pd_profile, served_model, request,
-        record_property) -> None:
+        tvc_prompt_seed, record_property) -> None:
     profile, _settings = pd_profile
-    rng = tp.rng_for(request.node.nodeid)
-    record_property("prompt_seed", tp.RUN_SEED)
+    rng = tp.rng_for(request.node.nodeid, tvc_prompt_seed[0])
+    acc.record_seed(record_property, tvc_prompt_seed)
     length = int(_e2e(profile, "prompt_tokens", tp.ACCEPTANCE_PROMPT_TOKENS))
     atol = float(_e2e(profile, "logprob_atol", tp.LOGPROB_ATOL))
     lo, hi = prompt_token_range(served_model)

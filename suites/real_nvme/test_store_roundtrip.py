@@ -1,11 +1,12 @@
 """real_nvme: the profile's GPU-direct store keeps every byte, GPU memory to GPU memory.
 
-The store comes from the profile's ``[store]`` section (``tvc/store.py``), opened
+The store comes from the profile's ``[store]`` section (``tvc/store/gpu_direct.py``),
+opened
 on a pool of ``[store] pool_bytes`` bytes (GB scale) inside the suite's scratch area
 or a profile-listed test device, after the storage daemon is up
-(``tvc/daemon.py``).
+(``tvc/procs/daemon.py``).
 Patterns are built on the GPU, written from GPU memory, read back into GPU memory and
-compared there bit-exactly (``tvc/store_checks.py``). The pool is removed at the
+compared there bit-exactly (``tvc/store/checks.py``). The pool is removed at the
 end.
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tvc import store_checks as sc
-from tvc.store import StoreSpec, open_store
+from tvc.store import checks as sc
+from tvc.store.gpu_direct import StoreSpec, open_store
 
 pytestmark = [pytest.mark.real_nvme, pytest.mark.hw_nvme]
 

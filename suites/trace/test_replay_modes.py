@@ -3,7 +3,7 @@
 Each mode runs once per variant (``connector``: the profile's
 ``--kv-transfer-config``; ``baseline``: the same server without it), one server at a
 time; figures go to ``<run folder>/trace/<variant>-<mode>.json`` and into the test's
-properties. See tvc/trace.py (modes, measurement) and tvc/trace_bench.py
+properties. See tvc/trace/replay.py (modes, measurement) and tvc/trace/bench.py
 (settings, sizes, servers).
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tvc import trace as tr
-from tvc.trace_bench import VARIANTS
+from tvc.trace import replay as tr
+from tvc.trace.bench import VARIANTS
 
 pytestmark = [pytest.mark.trace, pytest.mark.hw_gpu]
 

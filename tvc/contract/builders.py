@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tvc.config.profile import Profile
 from tvc.contract import compat
-from tvc.profile import Profile
-from tvc.run_store import isolate_store_paths
+from tvc.store.run_store import isolate_store_paths
 
 # Tiny Llama used only for its config (no weights are loaded by the contract tier).
 TINY_VOCAB_SIZE = 32000  # token ids drawn below this
@@ -57,7 +57,7 @@ class ConnectorConfigRefused(AssertionError):
             why = f"{where}: {why}" if where else why
         else:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        from tvc.profile import installed_vllm_version
+        from tvc.config.profile import installed_vllm_version
 
         name = kv_transfer_config.get("kv_connector", "?")
         super().__init__(
@@ -110,7 +110,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      max_num_batched_tokens: int = DEFAULT_MAX_MODEL_LEN,
                      max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
-                     device: str = "cpu", tensor_parallel_size: int = 1) -> Any:
+                     device: str = "cpu", tensor_parallel_size: int = 1,
+                     kv_events: bool = False) -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
 
     Args:
@@ -127,11 +128,14 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         kv_transfer_config: override of the profile's dict (configuration tests).
             Either way, store paths inside the profile's scratch directory are
             moved to this session's store folder
-            (:func:`tvc.run_store.isolate_store_paths`).
+            (:func:`tvc.store.run_store.isolate_store_paths`).
         device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
         tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
             heads per rank are then ``num_kv_heads // tensor_parallel_size``
             (``ModelConfig.get_num_kv_heads``).
+        kv_events: enable vLLM's KV cache events (``KVEventsConfig`` with
+            ``enable_kv_cache_events=True`` and the ``null`` publisher), as
+            ``--kv-events-config`` does; connectors then emit ``take_events``.
 
     Returns:
         ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
@@ -140,6 +144,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         ParallelConfig,
@@ -165,7 +170,11 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                               profile.scratch)
     try:
         kt = KVTransferConfig(**ktc)
-        return VllmConfig(model_config=model_config,
+        extra: dict[str, Any] = {}
+        if kv_events:
+            extra["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null")
+        return VllmConfig(**extra, model_config=model_config,
                           scheduler_config=scheduler_config,
                           cache_config=cache_config, kv_transfer_config=kt,
                           device_config=DeviceConfig(device),
@@ -262,7 +271,9 @@ def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
 def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                  shared_prefix: Sequence[int] = (), max_tokens: int = 2,
                  request_id: str | None = None, cache_salt: str | None = None,
-                 lora_request: Any = None) -> Any:
+                 lora_request: Any = None,
+                 sampling: Mapping[str, Any] | None = None,
+                 prompt_embeds: Any = None) -> Any:
     """A vLLM ``Request`` with vLLM's own block hasher.
 
     Args:
@@ -275,6 +286,13 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
         cache_salt: vLLM's per-tenant ``cache_salt`` (mixed into the first
             block's hash).
         lora_request: a ``LoRARequest`` (its name is mixed into every block hash).
+        sampling: extra ``SamplingParams`` fields (e.g. ``prompt_logprobs``,
+            ``skip_reading_prefix_cache``).
+        prompt_embeds: ``(tokens) -> tensor [num_tokens, hidden]``: an
+            embeddings-only request (``prompt_token_ids`` None, as vLLM makes
+            one from ``prompt_embeds``; its block hashes cover the embeddings,
+            ``kv_cache_utils._gen_prompt_embeds_extra_hash_keys``) whose
+            embeddings the callable derives from the prompt's token ids.
 
     Returns:
         ``vllm.v1.request.Request``.
@@ -295,10 +313,14 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
     assert len(prefix) <= num_tokens, "shared_prefix longer than the prompt"
     tail = prompt_tokens(num_tokens - len(prefix) + 1, seed)[1:] if prefix else \
         prompt_tokens(num_tokens, seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            **dict(sampling or {}))
     params.update_from_generation_config({}, EOS_TOKEN_ID)
+    toks = prefix + tail
+    embeds = None if prompt_embeds is None else prompt_embeds(toks)
     return Request(request_id=request_id or f"req-{n}",
-                   prompt_token_ids=prefix + tail, sampling_params=params,
+                   prompt_token_ids=None if embeds is not None else toks,
+                   prompt_embeds=embeds, sampling_params=params,
                    pooling_params=None, cache_salt=cache_salt,
                    lora_request=lora_request,
                    block_hasher=get_request_block_hasher(block_size, sha256))

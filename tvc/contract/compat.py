@@ -13,7 +13,7 @@ run on CPU). ``SUPPORTED_VLLM`` is the range the suite claims.
 Where the installed vLLM lacks an API the harness needs, the shims raise
 :class:`HarnessIncompatible`: the contract fixtures call :func:`check_harness`
 while setting a test up, so pytest reports an ERROR naming the vLLM version and
-the API, never a connector failure (:mod:`tvc.compat_report` does the same for
+the API, never a connector failure (:mod:`tvc.plugin.compat_report` does the same for
 one raised while a test runs).
 
 Differences handled (0.26/0.28 -> 0.33):
@@ -87,7 +87,7 @@ class HarnessIncompatible(Exception):
     """The installed vLLM lacks an API the contract harness needs.
 
     Not a connector failure: the suite cannot drive this vLLM. pytest reports it
-    as an ERROR (see :mod:`tvc.compat_report`).
+    as an ERROR (see :mod:`tvc.plugin.compat_report`).
 
     Args:
         api: the vLLM API, e.g. ``"KVCacheTensor"`` or
@@ -356,7 +356,7 @@ def scheduler_kwargs(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ KV caches
-def attention_backend() -> type:
+def attention_backend() -> type[Any]:
     """The attention backend whose KV layout the worker harness uses.
 
     FlashAttention is what vLLM picks for a Llama model on an NVIDIA GPU

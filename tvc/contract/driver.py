@@ -14,6 +14,7 @@ from typing import Any
 
 from tvc.contract import compat
 from tvc.contract.builders import SAMPLED_TOKEN_ID
+from tvc.contract.coverage import CoverageLog
 from tvc.contract.invariants import (
     assert_match_within_prompt,
     assert_metadata_survives_serialization,
@@ -87,13 +88,48 @@ def connector_call(exc: BaseException) -> tuple[str, str]:
                            "(e.g. 0 matched tokens) and log the cause")
         line = linecache.getline(code.co_filename, lineno).strip()
         m = _CALL.search(line)
-        method = m and (m.group(1) or _WRAPPERS.get(m.group(2) or "", ""))
+        method = m and (m.group(1) or _WRAPPERS.get(m.group(2) or "", ""))  # type: ignore[assignment]
         if method and method in api:
             return (f" in vLLM's use of what connector.{method}() returned "
                     f"({place}: {line})",
                     f"vLLM could not use what {method} returned: check it against "
                     f"KVConnectorBase_V1.{method}'s documented return type")
     return "", LOAD_SAVE_ADVICE
+
+
+class RigPlanError(RuntimeError):
+    """A test planned a request the rig cannot run (a suite defect, named)."""
+
+
+class NoWorkerHere(RuntimeError):  # noqa: N818 - reads as the reason
+    """No worker side runs for this rig (no device of ``worker_devices`` here)."""
+
+
+def no_worker_message(reason: str) -> str:
+    """The error for a rig where the connector's worker side cannot run.
+
+    Args:
+        reason: why no real worker runs (rig device and ``worker_devices``).
+
+    Returns:
+        one paragraph naming the reason and the two fixes; it never says the
+        connector leaks or loses anything (it never ran).
+
+    """
+    return (f"no worker ran: {reason} — connector.worker_devices lists no device "
+            "this rig runs on, so the connector's worker side (its saves, loads "
+            "and finished transfers) never ran and nothing about the connector "
+            "was judged. Fix: set connector.worker_devices = [\"cpu\"] if the "
+            "connector's worker runs on CPU, or supply connector.worker_report "
+            "(module:function building a stand-in that reports for it)")
+
+
+def _delays_free(returned: Any) -> bool:
+    """Whether a recorded ``request_finished`` return delayed freeing the blocks."""
+    if not returned:
+        return False
+    ret = returned[1]
+    return bool(isinstance(ret, tuple) and ret and ret[0])
 
 
 @dataclass
@@ -128,6 +164,21 @@ class EngineDriver:
         worker_report: the profile's ``connector.worker_report`` ("" or
             ``"standin"`` when no declared stand-in was built).
         no_worker_reason: why no real worker runs (for the error below).
+        added: every request added, in order (their block hashes and tokens
+            are what the connector may report as stored).
+        coverage: what this driver exercised (:class:`CoverageLog`): every
+            connector call judged by its input, every request's KV-relevant
+            fields; the stats and events answers for the checks.
+        scheduler_only: the test drives the scheduler side only, on purpose.
+            With no worker at all the driver then answers what a worker would
+            (no bytes moved): ``finished_sending`` for a request whose
+            ``request_finished`` returned ``delay_free_blocks=True`` in the
+            step after it finished, ``finished_recving`` for an asynchronous
+            load in the step after its admission. Without it a rig left with
+            no worker is an error (:class:`NoWorkerHere`).
+        worker_metas: every non-empty ``KVConnectorOutput.kv_connector_worker_meta``
+            the worker side returned, in step order (what ``update_from_output``
+            handed the scheduler's ``update_connector_output``).
 
     An exception other than ``AssertionError`` raised inside a step is re-raised
     as :class:`EngineStepError` naming the step and the stage (schedule, worker,
@@ -140,6 +191,7 @@ class EngineDriver:
             residency through worker metadata and neither a real worker nor a
             stand-in reports it (see :mod:`tvc.contract.standins`).
         WorkerReportError: a declared stand-in failed.
+        NoWorkerHere: no worker of any kind can run for this rig.
 
     """
 
@@ -153,6 +205,7 @@ class EngineDriver:
         default_factory=dict)
     finished_recving: set[str] = field(default_factory=set)
     metas: list[Any] = field(default_factory=list)
+    worker_metas: list[Any] = field(default_factory=list)
     max_steps: int = 200
     before_worker: Any = None
     num_steps: int = 0
@@ -160,8 +213,14 @@ class EngineDriver:
     on_match: Any = None
     worker_report: str = ""
     no_worker_reason: str = ""
+    coverage: CoverageLog = field(default_factory=CoverageLog)
+    added: list[Any] = field(default_factory=list)
+    scheduler_only: bool = False
+    _acked: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        self.coverage.attach(self.connector, "scheduler")
+        self.coverage.note_construction(self.scheduler)
         self._wrap_connector()
 
     @property
@@ -170,8 +229,25 @@ class EngineDriver:
         return self.scheduler.connector
 
     def add(self, *requests: Any) -> None:
-        """Add requests to the scheduler (``EngineCore.add_request``)."""
+        """Add requests to the scheduler (``EngineCore.add_request``).
+
+        Raises:
+            RigPlanError: a request needs more than the rig's ``max_model_len``
+                (vLLM would never finish it; the test's plan is wrong).
+
+        """
+        limit = self.scheduler.vllm_config.model_config.max_model_len
         for r in requests:
+            need = r.num_prompt_tokens + int(getattr(r, "max_tokens", 0) or 0)
+            if need > limit:
+                raise RigPlanError(
+                    f"the test's plan is wrong, not the connector: request "
+                    f"{r.request_id} has {r.num_prompt_tokens} prompt tokens + "
+                    f"{r.max_tokens} output tokens, beyond the rig's max_model_len "
+                    f"{limit}; vLLM would never finish it. Derive prompt lengths "
+                    "from the rig's max_model_len")
+            self.coverage.note_request(r)
+            self.added.append(r)
             self.scheduler.add_request(r)
 
     def step(self) -> Any:
@@ -182,9 +258,12 @@ class EngineDriver:
 
         """
         self.num_steps += 1
+        self.coverage.step = self.num_steps
         stage = "schedule (scheduler-side connector)"
         try:
             so = self.scheduler.schedule()
+            self.coverage.loading = self._load_pending()
+            self.coverage.preempted = bool(getattr(so, "preempted_req_ids", None))
             stage = "between lookup and load (scenario hook)"
             if self.before_worker is not None:
                 self.before_worker(so)
@@ -192,7 +271,8 @@ class EngineDriver:
             mro = self._worker_step(so)
             stage = "update_from_output (scheduler-side connector)"
             self.scheduler.update_from_output(so, mro)
-        except (AssertionError, WorkerReportMissing, WorkerReportError):
+        except (AssertionError, WorkerReportMissing, WorkerReportError,
+                NoWorkerHere):
             raise  # a check's failure, or the rig's own set-up error
         except Exception as exc:
             where, advice = connector_call(exc)
@@ -204,6 +284,16 @@ class EngineDriver:
                                        type(so.kv_connector_metadata).__name__,
                                        sorted(so.finished_req_ids)))
         return so
+
+    def _load_pending(self) -> bool:
+        """Whether a request with an external hit has not computed yet (a load)."""
+        for rid in self.scheduler.requests:
+            if rid in self.first_compute:
+                continue
+            answers = [a for a in self.matched.get(rid, ()) if a[1]]
+            if answers:
+                return True
+        return False
 
     def _worker_step(self, so: Any) -> Any:
         """The worker's half of a step: returns the ``ModelRunnerOutput``."""
@@ -220,6 +310,11 @@ class EngineDriver:
             self.worker.expect_loads(self._sync_loads(so))
         kv_out = self.worker.execute(so, meta) if (
             self.worker is not None and meta is not None) else None
+        if self.worker is None and self.scheduler_only:
+            kv_out = self._acknowledge(so)
+        wmeta = getattr(kv_out, "kv_connector_worker_meta", None)
+        if wmeta is not None and not _is_empty(wmeta):
+            self.worker_metas.append(wmeta)
         if kv_out is not None and kv_out.finished_recving:
             self.finished_recving |= set(kv_out.finished_recving)
         req_ids, sampled = [], []
@@ -233,6 +328,32 @@ class EngineDriver:
             sampled.append([SAMPLED_TOKEN_ID] if done_prefill else [])
         return compat.model_runner_output(req_ids, sampled, kv_out)
 
+    def _acknowledge(self, so: Any) -> Any:
+        """What a worker reports, for a scheduler-only rig: transfers end at once.
+
+        Returns:
+            a ``KVConnectorOutput`` with ``finished_sending`` = the requests of
+            ``so.finished_req_ids`` whose ``request_finished`` delayed freeing
+            their blocks, and ``finished_recving`` = requests admitted with an
+            asynchronous load (waiting for remote KV) not yet acknowledged;
+            None when there is nothing to report.
+
+        """
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.request import RequestStatus
+
+        sending = {rid for rid in so.finished_req_ids
+                   if _delays_free(self.finished_returns.get(rid))}
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        recving = {rid for rid, r in self.scheduler.requests.items()
+                   if r.status == waiting and rid not in self._acked}
+        self._acked |= recving
+        if not (sending or recving):
+            return None
+        out = KVConnectorOutput()
+        out.finished_sending, out.finished_recving = sending, recving
+        return out
+
     def _fallback_worker(self, meta: Any) -> Any:
         """The worker for a rig built without one, chosen from the first metadata.
 
@@ -243,6 +364,8 @@ class EngineDriver:
         Raises:
             WorkerReportMissing: the connector publishes residency through
                 worker metadata and nothing here can report it.
+            NoWorkerHere: nothing can run the connector's worker side here and
+                the test is not a scheduler-only one.
 
         """
         if JobAckWorker.applies_to(meta):
@@ -255,6 +378,8 @@ class EngineDriver:
                        f"({type(unwrap_metadata(meta)).__name__}) has no "
                        "load_jobs/store_jobs; " + why)
             raise WorkerReportMissing(missing_report_message(self.connector, why))
+        if not self.scheduler_only:
+            raise NoWorkerHere(no_worker_message(self.no_worker_reason))
         return None
 
     def _sync_loads(self, so: Any) -> dict[str, tuple[int, int]]:
@@ -343,6 +468,16 @@ class EngineDriver:
                     "steps: request_finished returned delay_free_blocks=True but the "
                     "worker never reported the requests in finished_sending (leaked "
                     "blocks)")
+            again = {r: len(self.matched.get(r, ())) for r in left
+                     if len(self.matched.get(r, ())) > 2}
+            if again:
+                raise AssertionError(
+                    f"requests still in the scheduler after {self.max_steps} steps: "
+                    f"{left}; vLLM asked the connector again and again for them "
+                    f"(get_num_new_matched_tokens answers: {again}): each load "
+                    "failed or never landed and the connector kept matching the "
+                    "same entries — a connector must stop matching an entry whose "
+                    "load it reported failed")
             raise AssertionError(
                 f"requests still in the scheduler after {self.max_steps} steps: "
                 f"{left} — a load or store never completed (the connector never "
@@ -354,6 +489,46 @@ class EngineDriver:
         """Add ``requests`` and run to completion."""
         self.add(*requests)
         self.run_until_idle()
+
+
+def _is_empty(worker_meta: Any) -> bool:
+    """``KVConnectorWorkerMetadata.is_empty()`` where the class defines it."""
+    is_empty = getattr(worker_meta, "is_empty", None)
+    return bool(is_empty()) if callable(is_empty) else False
+
+
+def zero_match_cause(driver: EngineDriver) -> str:
+    """Why a replay of a stored prompt may have matched 0 tokens, from the run.
+
+    Read from what the worker side returned through
+    ``KVConnectorOutput.kv_connector_worker_meta`` (vLLM's model runner fills it
+    from ``build_connector_worker_meta``; the scheduler's ``update_from_output``
+    hands it to ``update_connector_output``, ``vllm/v1/core/sched/scheduler.py``
+    0.26-0.33).
+
+    Args:
+        driver: the driver that ran the store pass and the replay.
+
+    Returns:
+        a sentence naming the worker metadata the scheduler side was handed and
+        did not turn into a hit; one saying its worker reported nothing for a
+        connector that publishes residency that way; "" otherwise (a connector
+        whose scheduler reads the store itself).
+
+    """
+    if driver.worker_metas:
+        kinds = sorted({type(m).__name__ for m in driver.worker_metas})
+        return (f"the worker side returned {len(driver.worker_metas)} non-empty "
+                f"worker metadata object(s) ({', '.join(kinds)}) from "
+                "build_connector_worker_meta, and vLLM's scheduler handed each to "
+                "the connector's update_connector_output, yet "
+                "get_num_new_matched_tokens matched 0: the scheduler side did not "
+                "publish what its workers reported as stored")
+    if publishes_worker_meta(driver.connector):
+        return (f"the connector publishes residency through worker metadata, but "
+                f"its build_connector_worker_meta returned nothing non-empty in "
+                f"{driver.num_steps} steps: its worker reported no save")
+    return ""
 
 
 def external_hit(driver: EngineDriver, request: Any) -> tuple[int, int, bool]:

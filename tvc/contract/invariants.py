@@ -94,6 +94,15 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
             f"{limit}. The connector ignores the local hit (or answers a stale "
             "count from an earlier lookup); it must return only the tokens beyond "
             "num_computed_tokens")
+    if local + matched > n:
+        raise AssertionError(
+            f"get_num_new_matched_tokens for {request.request_id} ({n} tokens, "
+            f"{local} computed locally) returned {matched} "
+            f"({'async' if is_async else 'sync'}): local + matched = "
+            f"{local + matched}, {local + matched - n} token(s) beyond the end of "
+            "the prompt. The connector claims KV it cannot hold (a match rounded "
+            "up, or counted past the prompt); round down to whole blocks within "
+            "the first len - 1 tokens")
     assert local + matched <= limit, (
         f"get_num_new_matched_tokens for {request.request_id} ({n} tokens, "
         f"{local} computed locally) returned {matched} "

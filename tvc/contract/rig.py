@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tvc.config.profile import Profile, claim_store_paths
 from tvc.contract.builders import (
     DEFAULT_NUM_BLOCKS,
     make_kv_cache_config,
@@ -17,10 +18,17 @@ from tvc.contract.builders import (
     make_scheduler,
     make_vllm_config,
 )
+from tvc.contract.coverage import CoverageLog
 from tvc.contract.driver import EngineDriver
+from tvc.contract.layout import (
+    LAYOUT_ENV,
+    allowed_kv_layouts,
+    decide_model_runner,
+    vllm_env,
+)
 from tvc.contract.standins import BUILTIN_STANDIN, load_worker_report
-from tvc.contract.worker import ConnectorWorker
-from tvc.profile import Profile
+from tvc.contract.worker import ConnectorWorker, ConnectorWorkerError
+from tvc.store import run_store
 
 
 # ------------------------------------------------------------------- rig + fixtures
@@ -61,11 +69,14 @@ class Rig(SchedulerSideMixin):
     scheduler: Any
     worker: Any
     driver: EngineDriver
+    #: (runner, source) from :func:`tvc.contract.layout.decide_model_runner`
+    runner: tuple[str, str] = ("V1", "given")
 
 
 
 def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
              real_worker: bool | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS,
+             kv_layout: str | None = None, scheduler_only: bool = False,
              **config_kw: Any) -> Rig:
     """Build config, KV cache config, scheduler, worker and driver.
 
@@ -82,6 +93,17 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             publishes residency through worker metadata with neither
             (:class:`tvc.contract.standins.WorkerReportMissing`).
         num_blocks: KV blocks in the pool.
+        kv_layout: ``"NHD"`` / ``"HND"``: set ``VLLM_KV_CACHE_LAYOUT`` for this
+            rig (over the profile's ``[vllm] env``); None leaves it to them.
+            The rig is built under the profile's ``[vllm] env``, and the model
+            runner (V1: cross-layer tensor where the connector prefers it and
+            vLLM allows it; V2: per layer) is decided for it as the installed
+            vLLM decides (:func:`tvc.contract.layout.decide_model_runner`).
+        scheduler_only: the test drives the scheduler side alone (no worker is
+            built; the driver acknowledges delayed frees and asynchronous loads,
+            see :class:`~tvc.contract.driver.EngineDriver`). Otherwise a rig
+            where no worker of any kind can run fails at its first step with
+            :class:`~tvc.contract.driver.NoWorkerHere`.
         **config_kw: passed to :func:`make_vllm_config`.
 
     Returns:
@@ -92,22 +114,88 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             built.
 
     """
-    vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
-    kcc = make_kv_cache_config(vc, num_blocks)
-    sched = make_scheduler(vc, kcc)
+    run_store.mark_if_missing(Path(profile.scratch))  # the suite's from the start
+    claim_store_paths(profile)  # store folders outside scratch: made and marked
+    env = dict(profile["vllm"]["env"])
+    if kv_layout is not None:
+        env[LAYOUT_ENV] = kv_layout
     devices = profile["connector"]["worker_devices"]
+    if scheduler_only:
+        real_worker = False
     if real_worker is None:
         real_worker = device in devices
     spec = profile["connector"]["worker_report"]
     worker: Any = None
-    if real_worker:
-        worker = ConnectorWorker(vc, kcc, device)
-    elif spec and spec != BUILTIN_STANDIN:
-        worker = load_worker_report(spec, vc, kcc, sched.connector)
-    why = (f"rig device {device!r}, connector.worker_devices = {devices}" if
-           device not in devices else "this test drives the scheduler side only")
-    return Rig(vc, kcc, sched, worker, EngineDriver(
-        sched, worker=worker, worker_report=spec, no_worker_reason=why))
+    with vllm_env(env):
+        vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
+        runner = decide_model_runner(vc, env)
+        kcc = make_kv_cache_config(vc, num_blocks)
+        sched = make_scheduler(vc, kcc)
+        if real_worker:
+            try:
+                worker = ConnectorWorker(vc, kcc, device, runner)
+            except ConnectorWorkerError as exc:
+                exc.runner = runner  # type: ignore[attr-defined]  # for reports
+                raise
+        elif spec and spec != BUILTIN_STANDIN:
+            worker = load_worker_report(spec, vc, kcc, sched.connector)
+    why = ("this test drives the scheduler side only" if scheduler_only else
+           f"rig device {device!r}, connector.worker_devices = {devices}")
+    driver = EngineDriver(sched, worker=worker, worker_report=spec,
+                          no_worker_reason=why, scheduler_only=scheduler_only)
+    note_rig(driver.coverage, vc, kcc, worker)
+    return Rig(vc, kcc, sched, worker, driver, runner)
+
+
+def note_rig(log: CoverageLog, vllm_config: Any, kv_cache_config: Any,
+             worker: Any) -> None:
+    """Record a rig's settings, layer kinds and worker set-up on ``log``.
+
+    The worker-role connector (a real :class:`ConnectorWorker`'s) is wrapped
+    so its calls are recorded too; its KV caches were registered when the
+    worker was built, which is recorded here.
+    """
+    log.note_config(vllm_config)
+    log.note_layers(kv_cache_config)
+    conn = getattr(worker, "connector", None) if isinstance(
+        worker, ConnectorWorker) else None
+    if conn is None:
+        return
+    log.attach(conn, "worker")
+    log.hit("api:KVConnectorBase_V1.prefer_cross_layer_blocks",
+            f"{bool(getattr(conn, 'prefer_cross_layer_blocks', False))}")
+    if worker.cross_layer_kv_cache is not None:
+        log.hit("api:KVConnectorBase_V1.register_cross_layers_kv_cache",
+                f"shape {tuple(worker.cross_layer_kv_cache.shape)}")
+    else:
+        log.hit("api:KVConnectorBase_V1.register_kv_caches",
+                f"{len(worker.kv_caches)} layers")
+
+
+def worker_kv_layouts(profile: Profile, scratch: Path, **config_kw: Any
+                      ) -> tuple[str, ...]:
+    """The KV layouts (``NHD``/``HND``) the engine may hand this connector's worker.
+
+    The profile's ``[vllm] env`` or the process's ``VLLM_KV_CACHE_LAYOUT`` fixes
+    one; else the connector class's ``get_required_kvcache_layout(vllm_config)``
+    (resolved through vLLM's ``KVConnectorFactory.get_connector_class``); else
+    both (:func:`tvc.contract.layout.allowed_kv_layouts`).
+
+    Args:
+        profile: the target profile.
+        scratch: suite-owned directory.
+        **config_kw: passed to :func:`make_vllm_config`.
+
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    env = dict(profile["vllm"]["env"])
+    with vllm_env(env):
+        vc = make_vllm_config(profile, scratch=scratch, **config_kw)
+        cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
+        return allowed_kv_layouts(cls, vc, env)
 
 
 def adapter_missing_reason(profile: Profile) -> str:
@@ -116,6 +204,7 @@ def adapter_missing_reason(profile: Profile) -> str:
     Only a module that is *absent* counts; one that is present but fails to
     import is a real failure (level1 ``test_connector_resolves`` names the cause).
     """
+    import importlib
     import importlib.util
 
     mod = profile["connector"]["module_path"]
@@ -125,8 +214,19 @@ def adapter_missing_reason(profile: Profile) -> str:
         found = importlib.util.find_spec(mod) is not None
     except ModuleNotFoundError:
         found = False
+    upstream = ""
+    if found and mod.startswith("tvc."):
+        # a suite shim around an out-of-tree class names the module it needs
+        upstream = getattr(importlib.import_module(mod), "UPSTREAM_MODULE", "")
+        if upstream:
+            try:
+                found = importlib.util.find_spec(upstream) is not None
+            except ModuleNotFoundError:
+                found = False
     if found:
         return ""
+    if upstream:
+        mod = f"{upstream} (wrapped by {mod})"
     return (f"The connector module {mod!r} of profile {profile.name!r} is not "
             "installed on this box, so its contract cannot be driven. Put the "
             "adapter's package on PYTHONPATH (or pip install it) and rerun; "

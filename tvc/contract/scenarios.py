@@ -27,10 +27,8 @@ and the profile, and returns a summary dict (recorded as a test property).
 
 from __future__ import annotations
 
-import linecache
 import random
 import time
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -45,6 +43,7 @@ from tvc.contract.invariants import (
 )
 from tvc.contract.rig import Rig
 from tvc.contract.worker import ConnectorWorker
+from tvc.plugin.error_hints import describe_failure
 
 MakeRig = Callable[..., Rig]
 BLOCK_SIZE = 16  # B of every scenario rig (vLLM's default block size on CUDA)
@@ -58,33 +57,33 @@ class NotApplicable(Exception):  # noqa: N818 - reads as a reason to skip
     """The scenario does not apply to this connector or box (message says why)."""
 
 
-def describe_failure(exc: AssertionError) -> str:
-    """An assertion's message, or where it was raised when it has none.
-
-    A bare ``assert`` inside the connector or vLLM (e.g. OffloadingConnector's
-    ``assert len(offload_keys) == len(offload_block_ids)``) carries no message; the
-    report then names the innermost frame and its source line instead of an empty
-    string.
-
-    Args:
-        exc: the assertion error caught around a scenario.
-
-    Returns:
-        ``str(exc)`` when it is not empty, else ``"assertion failed in
-        <file>:<line> (<function>): <source line>"``.
-
-    """
-    text = str(exc).strip()
-    if text or exc.__traceback__ is None:
-        return text or "assertion failed (no message, no traceback)"
-    frame = traceback.extract_tb(exc.__traceback__)[-1]
-    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-    return (f"assertion failed in {frame.filename}:{frame.lineno} ({frame.name}): "
-            f"{line} — an internal check of the code under test, not a message of "
-            "this suite")
-
-
 # ------------------------------------------------------------------ planning
+
+def run_scenario(fn: Callable[..., Any], *args: Any,
+                 record_property: Callable[[str, Any], None] | None = None,
+                 **kw: Any) -> Any:
+    """Run one scenario function: NotApplicable skips, ScenarioError fails.
+
+    An AssertionError is re-raised naming the scenario and the failure
+    (:func:`describe_failure`); the scenario's result is
+    recorded as the test property ``scenario`` when ``record_property`` is given.
+    """
+    import pytest
+
+    try:
+        out = fn(*args, **kw)
+    except NotApplicable as exc:
+        pytest.skip(str(exc))
+    except ScenarioError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    except AssertionError as exc:
+        raise AssertionError(f"scenario {fn.__name__}: {describe_failure(exc)}"
+                             ) from exc
+    if record_property is not None:
+        record_property("scenario", out)
+    return out
+
+
 def chunk_tokens(profile: Any, block_size: int) -> int:
     """Tokens the connector stores per unit (``connector.granularity``, default B).
 
@@ -96,8 +95,7 @@ def chunk_tokens(profile: Any, block_size: int) -> int:
         tokens per stored chunk (a multiple of nothing in particular; >= 1).
 
     """
-    fn = getattr(profile, "granularity_tokens", None)
-    return int(fn(block_size)) if callable(fn) else block_size
+    return int(profile.granularity_tokens(block_size))
 
 
 def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
@@ -118,14 +116,55 @@ def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
     return n
 
 
+def round_trip_len(profile: Any, block_size: int) -> int:
+    """A prompt for a one-prompt round trip: whole chunks plus half a block.
+
+    ``max(4 * B, 2 * chunk) + B // 2`` tokens: 4.5 blocks for a per-block store
+    (``connector.granularity`` = B), two whole chunks and a tail for a chunked
+    one, so the replay can hit whatever the chunk.
+
+    Args:
+        profile: the target profile.
+        block_size: B in tokens.
+
+    Returns:
+        the prompt length in tokens.
+
+    """
+    return max(4 * block_size, 2 * chunk_tokens(profile, block_size)) + (
+        block_size // 2)
+
+
+def pool_blocks(num_tokens: int, block_size: int, requests: int = 2,
+                minimum: int = 64) -> int:
+    """KV blocks for ``requests`` prompts of ``num_tokens`` (+1 decode) at once.
+
+    Returns:
+        ``max(minimum, requests * (ceil((num_tokens + 1) / B) + 1) + 1)``: the
+        +1 per request for its decode block, +1 for vLLM's null block.
+
+    """
+    per = -(-(num_tokens + 1) // block_size) + 1
+    return max(minimum, requests * per + 1)
+
+
+def hit_rule_of(profile: Any) -> tuple[str, str]:
+    """``(rule, source)`` that applies to the installed vLLM (``("", "")``: none)."""
+    return profile.select_hit_rule()
+
+
 def rule_hit(profile: Any, n: int, block_size: int) -> int | None:
     """Tokens the profile's ``connector.hit_rule`` expects for a stored n-token prompt.
+
+    The rule is :meth:`~tvc.config.profile.Profile.select_hit_rule`'s: the
+    ``connector.hit_rules`` entry for the installed vLLM, else
+    ``connector.hit_rule`` (a profile may give either form).
 
     Returns:
         the expected external hit from an empty local cache; None without a rule.
 
     """
-    if not profile["connector"]["hit_rule"]:
+    if not hit_rule_of(profile)[0]:
         return None
     return int(profile.expected_hit_tokens(n, block_size))
 
@@ -338,7 +377,7 @@ def local_then_external(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
                 f"local + external: loaded KV of tokens [{local}, {end}) is not at "
                 f"the right slots: {msg}{shift}")
         check_every_load(rig, [replay], "local + external")
-        assert_untouched_outside(w, snap, w.block_table[rid], "local + external")
+        assert_untouched_outside(w, snap, w.block_table[rid], "local + external")  # type: ignore[arg-type]
     finish(rig)
     return {"k_blocks": k, "chunk": c, "prompt_len": n, "local": local,
             "matched": matched}
@@ -387,7 +426,7 @@ def shared_prefixes(make_rig: MakeRig, profile: Any, together: bool
             f"step (first lookup per request: {first_asked})")
     if w is not None:
         owned = set().union(*(w.block_table[r.request_id] for r in replays))
-        assert_untouched_outside(w, snap, owned, "shared prefixes")
+        assert_untouched_outside(w, snap, owned, "shared prefixes")  # type: ignore[arg-type]
     finish(rig)
     return {"hits": hits, "loads": loads, "first_lookup_step": first_asked}
 
@@ -405,9 +444,15 @@ def preemption_and_resume(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     """
     b = BLOCK_SIZE
     n = prompt_len(profile, b, 2, b // 2 + 1)
-    blocks_per_req = -(-(n + 4 * b) // b)
-    # room for two requests' prompts and decodes, not three: vLLM must preempt
-    rig = make_rig(block_size=b, num_blocks=2 * blocks_per_req + 2)
+    decode_blocks = 4  # max_tokens = 4 * B below
+    blocks_per_req = -(-n // b) + decode_blocks
+    # room for two requests' prompts and decodes, not three (short prompts);
+    # for long prompts (large chunks) that pool admits only two and never
+    # preempts, so then: room for the three prompts (admitted together) and a
+    # third of their decodes. Either way vLLM must preempt while they decode.
+    prompt_blocks = -(-(n + 1) // b)
+    rig = make_rig(block_size=b, num_blocks=max(
+        2 * blocks_per_req + 2, 3 * prompt_blocks + decode_blocks + 1))
     stored = [_store(rig, n) for _ in range(3)]                      # 1
     _cold(rig)
     replays = [_replay(rig, s, max_tokens=4 * b) for s in stored]
@@ -421,12 +466,12 @@ def preemption_and_resume(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
                   (request.num_prompt_tokens, request.num_tokens)]
         if None in totals:
             return
-        allowed = max(0, max(totals) - local)
+        allowed = max(0, max(totals) - local)  # type: ignore[operator,type-var]
         assert matched <= allowed, (
             f"preemption and resume: request {request.request_id} re-admitted "
             f"after {request.num_preemptions} preemption(s) with "
             f"num_computed_tokens={local} (vLLM's local prefix cache) matched "
-            f"{matched}; the store holds at most {max(totals)} tokens of it, so "
+            f"{matched}; the store holds at most {max(totals)} tokens of it, so "  # type: ignore[type-var]
             f"at most {allowed} lie beyond num_computed_tokens: the connector "
             "answers a stale count from before the preemption")
 
@@ -470,10 +515,10 @@ def abort(make_rig: MakeRig, profile: Any, when: str) -> dict[str, Any]:
     _cold(rig)
     r = _replay(rig, stored, max_tokens=16)
     rig.driver.add(r)
-    seen = str(r.status)
+    seen = r.status.name
     if when == "waiting_for_remote_kv":
         rig.driver.step()
-        seen = str(r.status)
+        seen = r.status.name
         if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             raise NotApplicable(
                 f"the connector loads synchronously (after admission the request "
@@ -484,7 +529,7 @@ def abort(make_rig: MakeRig, profile: Any, when: str) -> dict[str, Any]:
             rig.driver.step()
             if r.status == RequestStatus.RUNNING and r.num_output_tokens >= 1:
                 break
-        seen = str(r.status)
+        seen = r.status.name
         assert r.status == RequestStatus.RUNNING, (
             f"scenario did not happen: the request never ran (status {seen})")
     else:
@@ -501,7 +546,7 @@ def abort(make_rig: MakeRig, profile: Any, when: str) -> dict[str, Any]:
 def fault_wrapper(make_rig: MakeRig, profile: Any, policy: str) -> dict[str, Any]:
     """5a. A failed load reported through vLLM's interface, under a policy.
 
-    The connector runs inside :class:`tvc.faults.FaultInjectingConnector`
+    The connector runs inside :class:`tvc.contract.faults.FaultInjectingConnector`
     (``fail_load`` every 2nd load): the loaded range of one request is overwritten
     and one block reported via ``get_block_ids_with_load_errors`` (or in the pass
     that finishes the asynchronous receive).
@@ -514,7 +559,7 @@ def fault_wrapper(make_rig: MakeRig, profile: Any, policy: str) -> dict[str, Any
     """
     from vllm.v1.request import RequestStatus
 
-    from tvc.faults import wrap_kv_transfer_config
+    from tvc.contract.faults import wrap_kv_transfer_config
 
     ktc = dict(profile.kv_transfer_config(), kv_load_failure_policy=policy)
     rig = make_rig(block_size=BLOCK_SIZE,
@@ -563,13 +608,15 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
     """5b. The connector's own store fails: entry lost, corrupted, torn, save fails.
 
     ``injector_factory(rig)`` returns the store's fault injector
-    (:func:`tvc.faults.fault_injector_for`).
+    (:func:`tvc.contract.faults.fault_injector_for`).
 
     lose / corrupt / tear:
       1. store two prompts A and B; drop the local cache;
-      2. replay both in one step; after the connector's lookup and before the
-         worker's load (or before the lookup, where the injector cannot act in
-         between), damage A's entries;
+      2. replay both in one step; damage A's entries as soon as the connector
+         has answered A's lookup and before the worker step that follows it
+         (:func:`fault_point`: the same engine step for a synchronous load and
+         for an asynchronous one that loads in the admission step), or before
+         the lookup where the injector cannot act in between;
       3. no exception escapes a step; A's failure is reported through vLLM's
          interface (or A matches less), and then: ``recompute`` -> A is
          recomputed and finishes with correct KV, ``fail`` -> A ends
@@ -621,25 +668,33 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
     _cold(rig)
     ra, rb = _replay(rig, a), _replay(rig, bb)
     damage = getattr(inj, kind)
+    at: dict[str, Any] = {}
     if inj.between_lookup_and_load:
-        done: list[bool] = []
-
-        def hook(so: Any) -> None:
-            if not done and ra.request_id in so.num_scheduled_tokens:
-                done.append(True)
-                damage(a_entries)
+        def hook(_so: Any) -> None:
+            if not at:
+                at.update(fault_point(rig, ra))
+                if at:
+                    damage(a_entries)
 
         rig.driver.before_worker = hook
     else:
         damage(a_entries)
+        at["state"] = "before the lookup"
     rig.driver.run(ra, rb)                                          # 2
     rig.driver.before_worker = None
+    if not at:
+        raise AssertionError(
+            f"scenario did not happen: the connector never answered a lookup for "
+            f"request {ra.request_id}, so its entries were never damaged")
+    if at.get("done"):
+        raise AssertionError(
+            f"scenario did not happen: request {ra.request_id}'s load had already "
+            f"completed ({at['state']}) when its entries were damaged")
     _, ma, _ = external_hit(rig.driver, ra)
     full = rule_hit(profile, n, b)
     reported = bool(getattr(rig.driver.worker, "reported_invalid_blocks", ()))
     less = full is not None and ma < full
-    when = ("between lookup and load" if inj.between_lookup_and_load
-            else "before the lookup")
+    when = at["state"]
     if not (reported or less or ra.status == failed):
         errs = w.load_errors if w is not None else []
         raise AssertionError(
@@ -660,7 +715,45 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
     check_hit(rig, rb, full, f"store fault '{kind}', the undamaged request")
     check_every_load(rig, [ra, rb], f"store fault '{kind}'")
     finish(rig)
-    return {"kind": kind, "policy": policy, "matched": ma, "reported": reported}
+    return {"kind": kind, "policy": policy, "matched": ma, "full": full,
+            "reported": reported, "failed": ra.status == failed, "at": when}
+
+
+def fault_point(rig: Rig, request: Any) -> dict[str, Any]:
+    """Where ``request`` stands with the connector, for a store fault injected now.
+
+    Called between ``schedule()`` and the worker step (the driver's
+    ``before_worker`` hook). A store fault belongs after the connector's lookup
+    answered (the scheduler planned a load on the entries) and before the
+    worker's load of them, wherever the connector's shape puts that load: a
+    synchronous load in the step that schedules the request, an asynchronous one
+    in the admission step or later (never at a fixed step).
+
+    Args:
+        rig: the rig.
+        request: the request whose entries are to be damaged.
+
+    Returns:
+        ``{}`` while the connector has not answered a lookup for the request
+        (not yet: inject later); else ``{"state": sentence, "done": bool}``:
+        what the connector has done (matched N tokens, load asynchronous or
+        not), and whether its load already completed (the worker verified the
+        request's computed tokens or it was reported in ``finished_recving``),
+        in which case the fault cannot be judged.
+
+    """
+    answers = [a for a in rig.driver.matched.get(request.request_id, ())
+               if a[1] is not None]
+    if not answers:
+        return {}
+    local, n, is_async = answers[-1]
+    w = rig.driver.worker
+    done = request.request_id in rig.driver.finished_recving or (
+        request.request_id in getattr(w, "loaded", {}))
+    how = "asynchronous" if is_async else "synchronous"
+    return {"state": f"after the connector matched {n} tokens beyond {local} "
+                     f"local ({how} load), before its load",
+            "done": done}
 
 
 def volume(make_rig: MakeRig, profile: Any, num_prompts: int, seed: int,
@@ -788,8 +881,7 @@ def granularity(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
                 f"{c} tokens + {n % c}) matched 0 on replay, the hit_rule expects "
                 f"{expected}: the connector stores nothing for it")
         if expected is not None:
-            assert_hit_matches_rule(m, expected, n, b, profile["connector"][
-                "hit_rule"], profile["connector"]["hit_rule_source"])
+            assert_hit_matches_rule(m, expected, n, b, *hit_rule_of(profile))
         check_every_load(rig, [replay], f"granularity ({n} tokens)")
     assert any(seen.values()), f"vacuous: no prompt of {lengths} hit"
     finish(rig)
@@ -825,3 +917,313 @@ def chunked_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     finish(rig)
     return {"prompt_len": n, "budget": budget, "prefill_steps": steps,
             "matched": m}
+
+
+# ------------------------------------------------- connector API paths vLLM drives
+IDLE_STEPS = 4  # EngineDriver.run_until_idle's empty steps after the last request
+
+
+def _stored_then_served(profile: Any, rig: Rig) -> tuple[Any, Any, int]:
+    """Store a prompt, drop vLLM's local cache, replay it: (stored, replay, hit).
+
+    Raises:
+        AssertionError: ``scenario did not happen``: the replay got no external
+            hit (nothing would have been stored, loaded or reported).
+
+    """
+    n = scenario_lengths(profile, rig.block_size)["single"]
+    stored = _store(rig, n)
+    _cold(rig)
+    replay = _replay(rig, stored)
+    rig.driver.run(replay)
+    _local, hit, _ = external_hit(rig.driver, replay)
+    assert hit > 0, (
+        f"scenario did not happen: the replay of a stored {n}-token prompt got no "
+        "external hit, so no store, load, stat or event was exercised")
+    return stored, replay, hit
+
+
+def overrides(rig: Rig, *names: str) -> list[str]:
+    """Which of ``names`` (``KVConnectorBase_V1`` methods) the connector overrides.
+
+    Either side's connector class counts (they are the same class).
+    """
+    from tvc.contract.coverage import overridden
+
+    mine = overridden(type(rig.scheduler.connector))
+    return [n for n in names if f"api:KVConnectorBase_V1.{n}" in mine]
+
+
+def stats_per_interval(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """``get_kv_connector_stats`` as vLLM uses it, over a store and a load.
+
+    1. store a prompt, drop vLLM's local cache, replay it (an external hit);
+       vLLM's scheduler asks the scheduler side for stats in every
+       ``update_from_output`` and the worker harness asks the worker side in
+       every step, as the model runner does;
+    2. :func:`tvc.contract.api_checks.check_stats` on every answer: the type
+       vLLM needs, pickling, ``reduce``, ``build_kv_connector_stats`` and
+       ``aggregate`` as vLLM's logger uses them, and empty answers in the idle
+       steps after the last transfer;
+    3. where the connector overrides ``build_prom_metrics``: vLLM's
+       ``KVConnectorProm`` builds its metrics and observes a non-empty interval
+       (:func:`tvc.contract.api_checks.check_prom_metrics`).
+
+    Raises:
+        NotApplicable: the connector keeps vLLM's default (no stats).
+
+    """
+    from tvc.contract.api_checks import check_prom_metrics, check_stats
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    if not overrides(rig, "get_kv_connector_stats"):
+        raise NotApplicable(
+            "the connector keeps KVConnectorBase_V1.get_kv_connector_stats "
+            "(no stats): nothing to check")
+    _stored, _replay_req, hit = _stored_then_served(profile, rig)
+    log = rig.driver.coverage
+    cls = type(rig.scheduler.connector)
+    checked = check_stats(log, cls, idle_steps=IDLE_STEPS)
+    busy = [o for _side, _s, o in log.stats if o is not None and not o.is_empty()]
+    samples = check_prom_metrics(cls, rig.vllm_config, busy[0], log) if (
+        busy and overrides(rig, "build_prom_metrics")) else 0
+    finish(rig)
+    return {"hit_tokens": hit, "answers": len(log.stats),
+            "non_empty_checked": checked, "prom_samples": samples}
+
+
+def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """KV cache events (``take_events``, worker events) against what was stored.
+
+    1. a rig with vLLM's KV cache events on (``--kv-events-config`` with
+       ``enable_kv_cache_events``); store a prompt and another, drop vLLM's
+       local cache, replay the first (an external hit);
+    2. :func:`tvc.contract.api_checks.check_events`: every ``BlockStored``
+       names blocks these requests computed, with their tokens and parent;
+       ``BlockRemoved`` only stored blocks; every block the hit served was
+       announced.
+
+    Raises:
+        NotApplicable: the connector keeps vLLM's default (no events).
+
+    """
+    from tvc.contract.api_checks import check_events
+
+    rig = make_rig(block_size=BLOCK_SIZE, kv_events=True)
+    names = overrides(rig, "take_events", "get_kv_connector_kv_cache_events")
+    if not names:
+        raise NotApplicable(
+            "the connector keeps KVConnectorBase_V1.take_events and "
+            "get_kv_connector_kv_cache_events (no KV cache events): nothing to "
+            "check")
+    n = scenario_lengths(profile, rig.block_size)["single"]
+    _store(rig, n)
+    stored, replay, hit = _stored_then_served(profile, rig)
+    counts = check_events(rig.driver.coverage, rig.driver.added, rig.block_size,
+                          {replay.request_id: hit})
+    assert counts["stored"] > 0, (
+        f"the connector overrides {', '.join(names)} and vLLM's KV cache events "
+        f"are on, but it announced no stored block after storing "
+        f"{len(rig.driver.added)} prompts and serving a {hit}-token hit")
+    finish(rig)
+    return {"hit_tokens": hit, **counts}
+
+
+def reset_cache_misses(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """``reset_prefix_cache(reset_connector=True)``: the store is empty after.
+
+    1. store a prompt (an external hit on replay proves it is stored);
+    2. ``Scheduler.reset_prefix_cache(reset_connector=True)``, which calls the
+       connector's ``reset_cache`` (True: reset done, False: refused);
+    3. replay the prompt again: after a reset that succeeded it is a miss.
+
+    Raises:
+        NotApplicable: the connector keeps vLLM's default ``reset_cache``
+            (returns None: "not implemented"), or refused (False) the reset.
+
+    """
+    rig = make_rig(block_size=BLOCK_SIZE)
+    if not overrides(rig, "reset_cache"):
+        raise NotApplicable(
+            "the connector keeps KVConnectorBase_V1.reset_cache (no connector "
+            "reset): nothing to check")
+    stored, _replay_req, hit = _stored_then_served(profile, rig)
+    w = real_worker(rig)
+    ok = rig.scheduler.reset_prefix_cache(reset_connector=True)
+    if not ok:
+        raise NotApplicable(
+            "vLLM's reset_prefix_cache(reset_connector=True) returned False (the "
+            "connector refused the reset): nothing was reset")
+    if w is not None:
+        w.zero()
+    again = _replay(rig, stored)
+    rig.driver.run(again)
+    _local, after, _ = external_hit(rig.driver, again)
+    assert after == 0, (
+        f"reset_cache returned success, but the replay of the stored "
+        f"{stored.num_prompt_tokens}-token prompt still got an external hit of "
+        f"{after} tokens (before the reset: {hit}): the connector's cache was not "
+        "reset")
+    rig.driver.coverage.hit("api:KVConnectorBase_V1.reset_cache",
+                            f"hit {hit} -> {after}")
+    finish(rig)
+    return {"hit_before": hit, "hit_after": after}
+
+
+SKIP_READING = {
+    "prompt_logprobs": {"prompt_logprobs": 1},
+    "skip_reading_prefix_cache": {"skip_reading_prefix_cache": True},
+}
+
+
+def skip_reading_prefix_cache(make_rig: MakeRig, profile: Any, field: str
+                              ) -> dict[str, Any]:
+    """A request that must not read cached KV gets a miss from the connector.
+
+    vLLM sets ``Request.skip_reading_prefix_cache`` for ``prompt_logprobs``
+    (every prompt token's logits are needed, so none may come from a cache;
+    ``SamplingParams.__post_init__``) or when asked directly; its own prefix
+    cache then returns no hit (``KVCacheManager``), and the connector, asked
+    anyway by the scheduler, must answer 0.
+
+    1. store a prompt; drop vLLM's local cache; a plain replay hits (premise);
+    2. replay it with ``field`` set: no token may count as computed when it
+       first runs. (vLLM 0.33 zeroes the connector's answer itself in
+       ``Scheduler.schedule``; 0.28 uses it, so there the connector must answer 0.)
+    """
+    rig = make_rig(block_size=BLOCK_SIZE)
+    stored, _replay_req, hit = _stored_then_served(profile, rig)
+    _cold(rig)
+    req = _replay(rig, stored, sampling=SKIP_READING[field])
+    assert req.skip_reading_prefix_cache, (
+        f"vLLM did not set skip_reading_prefix_cache for {field}: the scenario "
+        "cannot happen on this vLLM")
+    rig.driver.run(req)
+    local, matched, _ = external_hit(rig.driver, req)
+    computed_before = rig.driver.first_compute[req.request_id][0]
+    assert computed_before == 0, (
+        f"a request with {field} (skip_reading_prefix_cache=True) started with "
+        f"{computed_before} tokens counted as computed (the connector answered "
+        f"{matched} external tokens, vLLM's local cache {local}) for a stored "
+        f"{stored.num_prompt_tokens}-token prompt: the connector ignores "
+        "Request.skip_reading_prefix_cache, so the request reads cached KV "
+        f"(prompt logprobs for {computed_before} tokens are never computed)")
+    rig.driver.coverage.hit(f"request:SamplingParams.{field}",
+                            f"answer {matched}, read 0")
+    finish(rig)
+    return {"hit_plain": hit, "connector_answer": matched,
+            "tokens_read_from_cache": computed_before, "field": field}
+
+
+def kv_cache_layouts() -> set[str]:
+    """The KV cache layout names the installed vLLM defines.
+
+    ``KVCacheLayoutType`` (``Literal["NHD", "HND"]``,
+    ``vllm/v1/attention/backends/utils.py``, 0.28) and the members of
+    ``vllm.v1.kv_cache_layout.KVCacheLayout`` (0.33: ``LBHNC``...), where present.
+    """
+    import importlib
+    import typing
+
+    out: set[str] = set()
+    try:
+        utils = importlib.import_module("vllm.v1.attention.backends.utils")
+        out |= {a for a in typing.get_args(getattr(utils, "KVCacheLayoutType", None))
+                if isinstance(a, str)}
+    except ImportError:
+        pass
+    try:
+        mod = importlib.import_module("vllm.v1.kv_cache_layout")
+        out |= set(mod.KVCacheLayout.__members__)
+    except (ImportError, AttributeError):
+        pass
+    return out or {"NHD", "HND"}
+
+
+def answers_vllm_reads(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """The connector's answers to what vLLM reads outside a step, with values.
+
+    ``role`` on each side is the role vLLM created it with; the classmethods
+    ``get_required_kvcache_layout`` (a layout this vLLM defines) and
+    ``requires_piecewise_for_cudagraph`` (a bool for the profile's extra
+    config); the properties vLLM reads are bools; after a store and a served
+    hit, ``has_pending_push_work`` is False (the engine may quiesce); on the
+    worker side: ``get_finished_count`` is None or a positive int,
+    ``has_connector_metadata`` follows bind/clear, and the handshake metadata
+    is None or a ``KVConnectorHandshakeMetadata`` that pickles and that the
+    scheduler side accepts as ``EngineCore`` hands it over
+    (``set_xfer_handshake_metadata_pp_aware({(pp_rank, tp_rank): meta})``).
+    """
+    import pickle
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorRole,
+    )
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    log = rig.driver.coverage
+    sched = rig.scheduler.connector
+    cls = type(sched)
+    assert sched.role == KVConnectorRole.SCHEDULER, (
+        f"{cls.__name__}.role on the scheduler side is {sched.role!r}")
+    log.hit("api:KVConnectorBase_V1.role", "scheduler")
+    layout = cls.get_required_kvcache_layout(rig.vllm_config)
+    accepted = kv_cache_layouts()
+    assert layout is None or layout in accepted, (
+        f"{cls.__name__}.get_required_kvcache_layout returned {layout!r}: this "
+        f"vLLM knows None or {sorted(accepted)}")
+    log.hit("api:KVConnectorBase_V1.get_required_kvcache_layout", str(layout))
+    extra = dict(rig.vllm_config.kv_transfer_config.kv_connector_extra_config)
+    piecewise = cls.requires_piecewise_for_cudagraph(extra)
+    assert isinstance(piecewise, bool), (
+        f"{cls.__name__}.requires_piecewise_for_cudagraph returned {piecewise!r}")
+    log.hit("api:KVConnectorBase_V1.requires_piecewise_for_cudagraph",
+            str(piecewise))
+    for prop in ("requires_kv_delivery", "supports_divergent_local_hybrid_hits",
+                 "prefer_cross_layer_blocks"):
+        v = getattr(sched, prop, False)
+        assert isinstance(v, bool), f"{cls.__name__}.{prop} is {v!r}, not a bool"
+        log.hit(f"api:KVConnectorBase_V1.{prop}", str(v))
+    _stored, _r, hit = _stored_then_served(profile, rig)
+    push = sched.has_pending_push_work()
+    assert push is False, (
+        f"has_pending_push_work() is {push!r} after every request finished and "
+        f"{IDLE_STEPS} idle steps: the engine would never quiesce")
+    log.hit("api:KVConnectorBase_V1.has_pending_push_work", "after idle")
+    out: dict[str, Any] = {"layout": layout, "piecewise": piecewise,
+                           "hit_tokens": hit}
+    w = real_worker(rig)
+    if w is not None:
+        wc = w.connector
+        assert wc.role == KVConnectorRole.WORKER, (
+            f"{cls.__name__}.role on the worker side is {wc.role!r}")
+        count = wc.get_finished_count()
+        assert count is None or (isinstance(count, int) and count > 0), (
+            f"get_finished_count() returned {count!r}: KVOutputAggregator needs "
+            "None or a positive int")
+        log.hit("api:KVConnectorBase_V1.get_finished_count", str(count))
+        if rig.driver.metas:
+            wc.bind_connector_metadata(rig.driver.metas[-1])
+            bound = wc.has_connector_metadata()
+            wc.clear_connector_metadata()
+            cleared = wc.has_connector_metadata()
+            assert bound is True and cleared is False, (
+                f"has_connector_metadata() is {bound!r} after bind and "
+                f"{cleared!r} after clear")
+            log.hit("api:KVConnectorBase_V1.has_connector_metadata", "bind/clear")
+        meta = wc.get_handshake_metadata()
+        assert meta is None or isinstance(meta, KVConnectorHandshakeMetadata), (
+            f"get_handshake_metadata() returned {type(meta).__name__}, not None or "
+            "KVConnectorHandshakeMetadata")
+        log.hit("api:KVConnectorBase_V1.get_handshake_metadata",
+                type(meta).__name__)
+        if meta is not None:
+            meta = pickle.loads(pickle.dumps(meta))
+            sched.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
+            log.hit("api:KVConnectorBase_V1.set_xfer_handshake_metadata_pp_aware",
+                    "(0, 0)")
+        out["finished_count"] = count
+        out["handshake"] = type(meta).__name__
+    finish(rig)
+    return out

@@ -35,7 +35,7 @@ user's checkout at run time.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +50,7 @@ __all__ = [
     "tutti_worker_report",
 ]
 
-#: the profile key that declares a stand-in (tvc/profile.py SCHEMA)
+#: the profile key that declares a stand-in (tvc/config/profile.py SCHEMA)
 WORKER_REPORT_KEY = "connector.worker_report"
 #: ``connector.worker_report`` value naming the built-in job-protocol stand-in
 BUILTIN_STANDIN = "standin"
@@ -69,17 +69,17 @@ class WorkerReportMissing(RuntimeError):
 
 
 def innermost_connector(connector: Any) -> Any:
-    """The connector under test inside suite wrappers (``tvc.faults``' ``.inner``).
+    """The connector under test inside suite wrappers (the fault wrapper's ``.inner``).
 
     Args:
         connector: a connector instance (scheduler or worker role).
 
     Returns:
         the innermost connector: follows ``.inner`` while the object is a
-        :class:`tvc.faults.FaultInjectingConnector`.
+        :class:`tvc.contract.faults.FaultInjectingConnector`.
 
     """
-    from tvc.faults import FaultInjectingConnector
+    from tvc.contract.faults import FaultInjectingConnector
 
     seen = 0
     while isinstance(connector, FaultInjectingConnector) and seen < 8:
@@ -145,7 +145,7 @@ class HookWorker:
     Moves no bytes: ``loaded`` and ``load_errors`` stay empty, so the
     bit-identity checks have nothing to verify (the worker-side round trip is the
     real worker's test, on a device it runs on). Under
-    :class:`tvc.faults.FaultInjectingConnector` the load failures the wrapper
+    :class:`tvc.contract.faults.FaultInjectingConnector` the load failures the wrapper
     planned with reporting on are reported as the real worker would
     (``invalid_block_ids``: a synchronous load's in this step, an asynchronous
     one's in the step that finishes receiving it), as
@@ -251,11 +251,12 @@ def load_worker_report(spec: str, vllm_config: Any, kv_cache_config: Any,
             f"{WORKER_REPORT_KEY} = {spec!r}: expected \"module:function\" or "
             f"\"{BUILTIN_STANDIN}\"")
     try:
-        module = importlib.import_module(mod_name)
+        factory = pkgutil.resolve_name(spec)
     except ImportError as exc:
         raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: cannot import "
                                 f"{mod_name}: {exc}") from None
-    factory = getattr(module, fn_name, None)
+    except (AttributeError, ValueError):  # no such attribute; a malformed name
+        factory = None
     if not callable(factory):
         raise WorkerReportError(f"{WORKER_REPORT_KEY} = {spec!r}: module {mod_name} "
                                 f"has no function {fn_name}")
@@ -300,7 +301,7 @@ def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
         kv_cache_config: the rig's ``KVCacheConfig``.
         connector: the scheduler-side Tutti connector (inside a suite wrapper:
             the inner one); its own config is used where it differs from the
-            rig's (``tvc.faults`` builds the inner connector from an inner
+            rig's (``tvc.contract.faults`` builds the inner connector from an inner
             ``kv_transfer_config``). Keys are recomputed independently, as the
             worker does.
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tvc.config.profile import Profile
 from tvc.contract.builders import (
     DEFAULT_NUM_BLOCKS,
     make_kv_cache_config,
@@ -45,9 +46,9 @@ from tvc.contract.builders import (
 )
 from tvc.contract.distributed import free_init_method, vllm_distributed
 from tvc.contract.driver import EngineDriver
+from tvc.contract.layout import decide_model_runner, vllm_env
 from tvc.contract.rig import SchedulerSideMixin
 from tvc.contract.worker import ConnectorWorker, pattern_values, slots_for, token_view
-from tvc.profile import Profile
 
 __all__ = ["RANK_FAULTS", "TPHarnessError", "TPRankWorker", "TPRig",
            "TPWorkerGroup", "assert_ranks_agree_on_finished", "declared_tp_sizes",
@@ -156,7 +157,9 @@ class TPRankWorker(ConnectorWorker):
         self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.fault = fault
         self.injected_invalid: set[int] = set()
-        super().__init__(vllm_config, kv_cache_config, device)
+        # the rank process inherits the profile's [vllm] env (make_tp_rig)
+        super().__init__(vllm_config, kv_cache_config, device,
+                         decide_model_runner(vllm_config))
 
     def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
         """The rank's share of the model-wide pattern (:func:`tp_pattern_values`)."""
@@ -197,8 +200,15 @@ class TPRankWorker(ConnectorWorker):
 def _rank_main(rank: int, tp_size: int, backend: str, init_method: str,
                vllm_config: Any, kv_cache_config: Any, device: str, fault: str,
                conn: Any) -> None:
-    """Body of one rank process: set up, then answer commands until 'stop'."""
+    """Body of one rank process: set up, then answer commands until 'stop'.
+
+    Sets ``vllm_config.parallel_config.rank`` to the rank first, as vLLM's
+    ``WorkerBase.__init__`` does for every worker (``vllm/v1/worker/
+    worker_base.py``, 0.28 and 0.33): a connector may name its files or
+    its share of the store by it.
+    """
     try:
+        vllm_config.parallel_config.rank = rank
         with vllm_distributed(tp_size, rank, backend, init_method,
                               vllm_config=vllm_config):
             worker = TPRankWorker(vllm_config, kv_cache_config, device, rank=rank,
@@ -507,10 +517,32 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
         TPHarnessError: a rank failed to start.
 
     """
-    vc = make_vllm_config(profile, scratch=scratch, device=device,
-                          tensor_parallel_size=tp_size, **config_kw)
-    kcc = make_kv_cache_config(vc, num_blocks)
-    sched = make_scheduler(vc, kcc)
-    group = TPWorkerGroup(vc, kcc, device, sched.connector, backend=backend,
-                          rank_faults=dict(rank_faults or {}))
+    with vllm_env(dict(profile["vllm"]["env"])):  # rank processes inherit it
+        vc = make_vllm_config(profile, scratch=scratch, device=device,
+                              tensor_parallel_size=tp_size, **config_kw)
+        kcc = make_kv_cache_config(vc, num_blocks)
+        sched = make_scheduler(vc, kcc)
+        group = TPWorkerGroup(vc, kcc, device, sched.connector, backend=backend,
+                              rank_faults=dict(rank_faults or {}))
     return TPRig(vc, kcc, sched, group, EngineDriver(sched, worker=group))
+
+
+def note_tp_rig(rig: TPRig) -> Any:
+    """Record on the rig's coverage log what its ranks exercised; return the log.
+
+    The settings and layer kinds of the TP config, and
+    ``KVConnectorWorkerMetadata.aggregate`` where two or more ranks returned
+    worker metadata in one step (vLLM's ``KVOutputAggregator`` merged them).
+    The ranks' own connector calls run in their processes and are not recorded.
+    """
+    log = rig.driver.coverage
+    log.note_config(rig.vllm_config)
+    log.note_layers(rig.kv_cache_config)
+    for outs in getattr(rig.group, "rank_outputs", ()):
+        metas = [o for o in outs
+                 if getattr(o, "kv_connector_worker_meta", None) is not None]
+        if len(metas) >= 2:
+            log.hit("api:KVConnectorWorkerMetadata.aggregate",
+                    f"{len(metas)} ranks")
+            break
+    return log

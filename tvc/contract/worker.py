@@ -17,7 +17,7 @@ from typing import Any
 from tvc.contract.compat import HarnessIncompatible, forward_context
 from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
-from tvc.error_hints import hint_prefix
+from tvc.plugin.error_hints import hint_prefix
 
 #: value written into the slots a synchronous load must fill, before the load:
 #: never a pattern value (those are integers in [-125, 125], see
@@ -241,7 +241,7 @@ def release_leftover_distributed() -> bool:
     """Leave vLLM's groups that unclosed workers of a finished test still hold.
 
     Called after every test (fixture ``tvc_release_worker_distributed`` in
-    ``fixtures/contract.py``), so that no test starts inside another's
+    ``tvc/fixtures/contract.py``), so that no test starts inside another's
     distributed environment.
 
     Returns:
@@ -274,9 +274,11 @@ class ConnectorWorker:
 
     Per step (``vllm/v1/worker/kv_connector_model_runner_mixin.py``):
     ``bind_connector_metadata``, ``start_load_kv``; per layer
-    ``wait_for_layer_load``, attention (here: write the known pattern into the
-    scheduled tokens' slots), ``save_kv_layer``; then ``wait_for_save``,
-    ``get_finished``, ``build_connector_worker_meta``, ``clear_connector_metadata``.
+    ``handle_preemptions``, ``wait_for_layer_load``, attention (here: write the
+    known pattern into the scheduled tokens' slots), ``save_kv_layer``; then
+    ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+    ``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
+    ``build_connector_worker_meta``, ``clear_connector_metadata``.
 
     Set-up as ``GPUModelRunner`` does it: vLLM's distributed environment for
     world size 1 (:func:`tvc.contract.distributed.vllm_distributed`, unless this
@@ -312,17 +314,34 @@ class ConnectorWorker:
         reported_loads: request id -> first token of its first reported block.
         verified: request id -> token ranges verified.
         resumed: request ids seen resumed after preemption, in order.
+        heal_reported: when True (the exploration sets it), the blocks of a
+            reported failed load — from the request's first reported block to
+            what vLLM counted as computed — get the stored pattern once the
+            step's loads are judged, as the failed request's recompute would
+            write it. vLLM's recompute policy leaves those blocks in its
+            prefix cache (``Scheduler._handle_invalid_blocks`` evicts them only
+            under ``kv_load_failure_policy = "fail"``, 0.28 and 0.33) and counts
+            on that recompute; when the request is aborted or preempted first,
+            a later local prefix-cache hit (or a twin that shares the blocks)
+            reads whatever the failed load left. That is vLLM's recovery, not
+            the connector's load: without healing the later request, or the
+            store entry saved from it, would blame the connector.
+        unrecomputed: healed blocks no request has computed since.
+        unrecomputed_reads: one sentence per later request whose local hit
+            covered such a block (vLLM served a block it never recomputed; the
+            connector is not at fault).
 
     Raises:
         ConnectorWorkerError: creating the connector or registering the KV
             caches failed; the message starts with the known cause where
-            :mod:`tvc.error_hints` knows it.
+            :mod:`tvc.plugin.error_hints` knows it.
         tvc.contract.distributed.DistributedSetupError: vLLM's distributed
             environment cannot be set up in this process.
 
     """
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, device: str) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, device: str,
+                 runner: tuple[str, str] = ("V1", "given")) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import (
             KVConnectorFactory,
@@ -344,7 +363,11 @@ class ConnectorWorker:
                     vllm_config, KVConnectorRole.WORKER, kv_cache_config)
                 step = "allocating the KV caches"
                 cross = backend = None
-                if getattr(self.connector, "prefer_cross_layer_blocks", False):
+                # only the V1 model runner hands a cross-layer tensor; the V2
+                # runner registers per layer whatever the connector prefers
+                # (vllm/v1/worker/gpu/kv_connector.py, 0.26-0.33)
+                if runner[0] == "V1" and getattr(
+                        self.connector, "prefer_cross_layer_blocks", False):
                     kv, cross, backend = allocate_cross_layer_kv_caches(
                         vllm_config, kv_cache_config, device)
                 if cross is not None:
@@ -358,14 +381,18 @@ class ConnectorWorker:
                                                         kv_cache_config, device)
                     step = f"register_kv_caches(per-layer tensors on {device})"
                     self.connector.register_kv_caches(self.kv_caches)
-        except (HarnessIncompatible, AssertionError):
+                self.layout = self._layout_choice(runner, cross)
+        except HarnessIncompatible:
             self.close()
             raise
+        except AssertionError as exc:
+            self.close()
+            if step.startswith("allocating"):
+                raise
+            raise ConnectorWorkerError(self._failure(exc, step, runner)) from exc
         except Exception as exc:
             self.close()
-            raise ConnectorWorkerError(
-                f"{hint_prefix(exc)}The connector's worker side failed at {step}: "
-                f"{type(exc).__name__}: {exc}") from exc
+            raise ConnectorWorkerError(self._failure(exc, step, runner)) from exc
         self.names = list(self.kv_caches)
         self.forward_context = forward_context(self.kv_caches)
         self.block_table: dict[str, list[int]] = {}
@@ -378,6 +405,26 @@ class ConnectorWorker:
         self.resumed: list[str] = []
         self.reported_failed_requests: set[str] = set()
         self._expected_loads: dict[str, tuple[int, int]] = {}
+        self.heal_reported = False
+        self.unrecomputed: set[int] = set()
+        self.unrecomputed_reads: list[str] = []
+        self._reported_now: dict[str, int] = {}
+
+    def _layout_choice(self, runner: tuple[str, str], cross: Any) -> Any:
+        """The :class:`tvc.contract.layout.KVLayoutChoice` just registered."""
+        from tvc.contract.layout import KVLayoutChoice, current_kv_layout
+
+        first = cross if cross is not None else next(iter(self.kv_caches.values()))
+        return KVLayoutChoice(runner[0], runner[1], cross is not None,
+                              current_kv_layout(self.vllm_config),
+                              tuple(first.shape), tuple(first.stride()))
+
+    def _failure(self, exc: BaseException, step: str,
+                 runner: tuple[str, str]) -> str:
+        """The one-paragraph message of a failed set-up step (known cause first)."""
+        return (f"{hint_prefix(exc)}The connector's worker side failed at {step} "
+                f"(the engine's {runner[0]} model runner, decided by "
+                f"{runner[1]}): {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Shut the connector down and leave vLLM's distributed environment.
@@ -588,6 +635,8 @@ class ConnectorWorker:
             dev = kv.device
             set_token_slots(kv, blocks.to(dev), offs.to(dev),
                             self.pattern(kv, li, pos, tok))
+        if self.unrecomputed:
+            self.unrecomputed -= {int(x) for x in blocks.tolist()}
 
     def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
         """The KV this worker's attention writes: :func:`pattern_values`.
@@ -618,7 +667,8 @@ class ConnectorWorker:
 
         Raises:
             ConnectorWorkerError: a connector call raised an error whose cause
-                :mod:`tvc.error_hints` knows; the message starts with it and names
+                :mod:`tvc.plugin.error_hints` knows; the message starts with it and
+                names
                 the call. Any other exception propagates as raised, with a note
                 naming the call.
 
@@ -639,6 +689,11 @@ class ConnectorWorker:
         try:
             with set_current_vllm_config(self.vllm_config):
                 c.bind_connector_metadata(meta)
+                # the model runner hands every step's metadata to
+                # handle_preemptions (gpu_model_runner.py, execute_model)
+                step = "handle_preemptions"
+                if hasattr(c, "handle_preemptions"):
+                    c.handle_preemptions(meta)
                 step = "start_load_kv"
                 c.start_load_kv(self.forward_context)
                 step = "wait_for_layer_load"
@@ -655,6 +710,7 @@ class ConnectorWorker:
                     if rid in self.loaded:
                         continue
                     self.loaded[rid] = start
+                    self._note_unrecomputed_read(rid, start)
                     if start > 0:
                         self.verified.setdefault(rid, []).append((0, start))
                         checks.append((rid, start,
@@ -665,15 +721,37 @@ class ConnectorWorker:
                                     self.forward_context.attn_metadata[name])
                 step = "wait_for_save"
                 c.wait_for_save()
+                if hasattr(c, "finish_forward"):
+                    # vLLM 0.33's model runner: the forward no longer reads
+                    # this step's KV (gpu/kv_connector.py, finish_forward)
+                    step = "finish_forward"
+                    c.finish_forward()
                 step = "get_finished"
-                out.finished_sending, out.finished_recving = c.get_finished(
-                    so.finished_req_ids)
+                if hasattr(c, "get_transfer_results"):
+                    # vLLM 0.33: sends, receives and failed receives together
+                    # (kv_connector_model_runner_mixin, get_transfer_results)
+                    step = "get_transfer_results"
+                    res = c.get_transfer_results(so.finished_req_ids)
+                    out.finished_sending = set(res.finished_sending or ()) or None
+                    out.finished_recving = set(res.finished_recving or ()) or None
+                    if hasattr(out, "failed_recving"):
+                        out.failed_recving = set(res.failed_recving or ())
+                else:
+                    out.finished_sending, out.finished_recving = c.get_finished(
+                        so.finished_req_ids)
                 step = "get_block_ids_with_load_errors"
                 if hasattr(c, "get_block_ids_with_load_errors"):
                     out.invalid_block_ids = c.get_block_ids_with_load_errors()
                 step = "get_request_ids_with_load_errors"
                 if hasattr(c, "get_request_ids_with_load_errors"):
                     failed_reqs = set(c.get_request_ids_with_load_errors() or ())
+                # as kv_connector_model_runner_mixin._get_kv_connector_output
+                step = "get_kv_connector_stats"
+                if hasattr(c, "get_kv_connector_stats"):
+                    out.kv_connector_stats = c.get_kv_connector_stats()
+                step = "get_kv_connector_kv_cache_events"
+                if hasattr(c, "get_kv_connector_kv_cache_events"):
+                    out.kv_cache_events = c.get_kv_connector_kv_cache_events()
                 step = "build_connector_worker_meta"
                 if hasattr(c, "build_connector_worker_meta"):
                     out.kv_connector_worker_meta = c.build_connector_worker_meta()
@@ -691,7 +769,36 @@ class ConnectorWorker:
                 f"{type(exc).__name__}: {exc}") from exc
         self._judge_loads(checks, set(out.invalid_block_ids or ()), expected,
                           failed_reqs)
+        if self.heal_reported:
+            self._heal(checks)
         return out
+
+    def _note_unrecomputed_read(self, req_id: str, start: int) -> None:
+        """Record a first compute whose counted tokens cover an unrecomputed block."""
+        if not self.unrecomputed or start <= 0:
+            return
+        table = self.block_table.get(req_id, [])[: -(-start // self.block_size)]
+        hit = [blk for blk in table if blk in self.unrecomputed]
+        if hit:
+            self.unrecomputed_reads.append(
+                f"request {req_id} counts block(s) {hit} as computed (vLLM's "
+                "prefix cache), which a reported failed load left there and no "
+                "request recomputed since")
+
+    def _heal(self, checks: list[tuple[str, int, tuple[int, str] | None]]) -> None:
+        """Write the pattern into the reported blocks of this step's failed loads.
+
+        See :attr:`heal_reported`: from each request's first reported block
+        (:attr:`reported_loads`) up to the tokens vLLM counted as computed.
+        """
+        for rid, start, _bad in checks:
+            first = self._reported_now.get(rid)
+            if first is None or first >= start:
+                continue
+            self.write_pattern(rid, first, start)
+            b = self.block_size
+            self.unrecomputed |= set(
+                self.block_table[rid][first // b: -(-start // b)])
 
     def _judge_loads(self, checks: list[tuple[str, int, tuple[int, str] | None]],
                      invalid: set[int], expected: dict[str, tuple[int, int]],
@@ -720,6 +827,7 @@ class ConnectorWorker:
 
         """
         b = self.block_size
+        self._reported_now = {}
         if invalid:
             self.reported_invalid_blocks |= invalid
         failed: set[str] = set()
@@ -737,6 +845,7 @@ class ConnectorWorker:
                 continue
             failed.add(rid)
             self.reported_loads[rid] = first_rep * b
+            self._reported_now[rid] = first_rep * b
             if first_bad is not None and first_bad < first_rep:
                 self.load_errors.append(f"request {rid}: {what} (before the "
                                         "first block reported as failed)")
@@ -804,7 +913,7 @@ class JobAckWorker:
     def execute(self, so: Any, meta: Any) -> Any:
         """Acknowledge last step's jobs; queue this step's (see class doc).
 
-        Under :class:`tvc.faults.FaultInjectingConnector` the faults it planned
+        Under :class:`tvc.contract.faults.FaultInjectingConnector` the faults it planned
         with reporting on are reported as vLLM expects: a synchronous load's in
         this pass, an asynchronous load's in the pass that finishes receiving it.
         """
@@ -815,7 +924,7 @@ class JobAckWorker:
         report = bool(faults) and getattr(meta, "report", False)
         invalid: set[int] = set()
         if report:
-            for rid, blocks in faults.items():
+            for rid, blocks in faults.items():  # type: ignore[union-attr]
                 if rid in meta.async_reqs:
                     self.await_recv[rid] = list(blocks)
                 else:
@@ -842,6 +951,6 @@ class JobAckWorker:
 
 def unwrap_metadata(meta: Any) -> Any:
     """The connector-under-test's metadata inside a fault wrapper's (else ``meta``)."""
-    from tvc.faults import FaultMetadata
+    from tvc.contract.faults import FaultMetadata
 
     return meta.inner if isinstance(meta, FaultMetadata) else meta

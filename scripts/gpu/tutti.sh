@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Tutti's GPU path on the lab H200 (offline, vLLM 0.26.0 bundle): build Tutti's
+# transfer/ CUDA extension, then run with the suite's stand-in store
+#   1. contract, CUDA worker round trip for tutti-public-v1
+#      (VLLM_USE_V2_MODEL_RUNNER=0: cross-layer KV; 1, 2 and 8 KV heads);
+#   2. e2e for tutti-public-v1: two-pass exact hits against the baseline, a prompt
+#      that must not hit, block boundaries, concurrency, load failure (both
+#      policies, synchronous scheduling);
+#   3. e2e with the tiny Llama of 8 KV heads: the layout limit, a clear red;
+#   4. contract, CUDA worker round trip for tutti-public (vLLM's defaults: the V2
+#      runner's per-layer KV, expected red naming the runner).
+# Results (run folders, logs) under $OUT/tutti/, plus $OUT/tutti/SUMMARY.txt.
+# Needs: Tutti's integration/vllm-connector at $TUTTI_SRC (default
+# .tutti/integration/vllm-connector or .tutti, carried to the host), the bundle at
+# /root/vllm-bundle/site (scripts/gpu/session.sh setup), nvcc (CUDA_HOME).
+# Budget: BUDGET_S (default 470 s) for the whole script; each run gets what is left.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+OUT=${OUT:-/tmp/tvc-out}
+res="$OUT/tutti"
+mkdir -p "$res"
+BUDGET_S=${BUDGET_S:-470}
+summary="$res/SUMMARY.txt"
+: >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+
+if [ -z "${TUTTI_SRC:-}" ]; then
+  for c in "$root/.tutti/integration/vllm-connector" "$root/.tutti"; do
+    [ -f "$c/adapter/connector.py" ] && TUTTI_SRC=$c && break
+  done
+fi
+if [ ! -f "${TUTTI_SRC:-/nonexistent}/adapter/connector.py" ]; then
+  say "tutti.sh: no Tutti checkout: set TUTTI_SRC to integration/vllm-connector" \
+      "(xPU-IO/Tutti 33a8fb8) or carry it as .tutti/"
+  exit 2
+fi
+site=/root/vllm-bundle/site
+if [ ! -d "$site/vllm" ]; then
+  say "tutti.sh: no vLLM bundle at $site: run scripts/gpu/session.sh setup first"
+  exit 2
+fi
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
+export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH=$CUDA_HOME/bin:$PATH
+ext=${TUTTI_EXT:-/tmp/tutti-ext}
+
+# 1. Tutti's transfer/ extension (tutti_kv_transfer._native), ~65 s on the H200
+t0=$SECONDS
+if [ ! -d "$ext/tutti_kv_transfer" ]; then
+  (cd "$TUTTI_SRC/transfer" && PYTHONPATH=$site TORCH_CUDA_ARCH_LIST=9.0 \
+     MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \
+     --target "$ext" .) >"$res/build-ext.log" 2>&1
+  brc=$?
+  say "[build-ext] rc=$brc $((SECONDS - t0))s (log build-ext.log; nvcc:" \
+      "$(command -v nvcc || echo none))"
+  [ $brc -ne 0 ] && { tail -20 "$res/build-ext.log" | tee -a "$summary"; exit 3; }
+fi
+export PYTHONPATH=/tmp/site:$site:$root:$TUTTI_SRC:$ext
+python3 -c "import tutti_kv_transfer._native, adapter.connector, torch; \
+print('tutti ext ok; torch', torch.__version__, torch.cuda.get_device_name())" \
+  2>&1 | tail -1 | tee -a "$summary"
+
+pt() {  # pt NAME PYTEST-ARGS...: one pytest run, its own run folder and log
+  local name=$1; shift
+  local t0=$SECONDS left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt 40 ]; then say "[$name] not run: ${left}s left"; return; fi
+  timeout --signal=INT --kill-after=20 "$left" \
+    python3 -m pytest -p no:cacheprovider --tvc-report-dir="$res/$name" -rA "$@" \
+    >"$res/$name.log" 2>&1
+  local rc=$?
+  say "[$name] rc=$rc $((SECONDS - t0))s: $(grep -E '^=+ .*(passed|failed|skipped|error).* =+$' "$res/$name.log" | tail -1)"
+  python3 - "$res/$name/summary.json" <<'EOF' | tee -a "$summary"
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as exc:
+    sys.exit(f"  (no summary.json: {exc})")
+p = s.get("profile", {})
+print(f"  under test: {p.get('under_test', '-')}; vllm env: {p.get('vllm_env')}")
+for t in s["tests"]:
+    pr = t.get("properties", {})
+    extra = {k: v for k, v in pr.items() if k not in ("server_log",)}
+    print(f"  {t['outcome']:8} {t['nodeid'].split('::')[-1][:90]} "
+          f"{str(extra)[:600]}")
+    if t["outcome"] in ("failed", "error"):
+        print("           " + t["message"].replace("\n", " ")[:400])
+for f in s.get("findings") or []:
+    print(f"  FINDING {f['key']}: {f['title']} ({len(f['tests'])} tests)")
+EOF
+}
+
+RT="suites/contract/test_worker_roundtrip.py"
+# 2. contract, CUDA worker on the V1 runner: 1, 2 and 8 KV heads, NHD and HND
+pt contract-v1 "$RT" -k "cuda and B16 and D64 and float16" \
+  --tvc-profile tutti-public-v1 --tvc-require gpu
+
+# 3. e2e, tutti-public-v1: two passes vs the baseline, concurrency, load failures
+pt e2e-v1 suites/e2e/test_external_prefix_hit.py suites/e2e/test_concurrency.py \
+  suites/e2e/test_load_failure.py -m e2e -k "not async" \
+  --tvc-profile tutti-public-v1 --tvc-require gpu
+
+# 4. e2e with 8 KV heads: the connector's layout limit (expected red at start)
+kv8=$(python3 -c "from pathlib import Path; from tvc.env.model import build_tiny_model; \
+print(build_tiny_model(Path('$root/.scratch/models'), 'kv8'))")
+TVC_MODEL=$kv8 pt e2e-v1-kv8 suites/e2e/test_external_prefix_hit.py -m e2e \
+  -k test_second_pass --tvc-profile tutti-public-v1 --tvc-require gpu
+# 5. contract, CUDA worker on vLLM's defaults (V2 runner): red, naming the runner
+pt contract-v2-default "$RT" -k "cuda and B16-H2-D64-float16" \
+  --tvc-profile tutti-public --tvc-require gpu
+say "total $((SECONDS))s"

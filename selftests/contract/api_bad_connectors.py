@@ -1,0 +1,190 @@
+"""Connectors for the connector-API contract tests: one correct, each other one fault.
+
+Loaded by vLLM through ``kv_connector_module_path = "api_bad_connectors"`` (the
+self-tests put this folder on PYTHONPATH). :class:`ReportingExampleConnector` is
+vLLM's ExampleConnector (both sides on CPU) made complete: per-interval transfer
+stats (tokens saved and loaded, reset on every read), KV cache events for every
+prompt it stores (vLLM's block hashes, tokens, block size), ``reset_cache`` that
+empties its store, and a miss for requests that must not read cached KV. It must
+pass every test of ``suites/contract/test_connector_api.py``; each subclass below
+breaks exactly one of those.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+    align_to_block_size,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+
+@dataclass
+class TokenStats(KVConnectorStats):
+    """Tokens saved and loaded in one interval (counters)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"saved_tokens": 0, "loaded_tokens": 0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not other.is_empty():
+            for k, v in other.data.items():
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class ReportingExampleConnector(ExampleConnector):
+    """Correct: stats per interval, events per store, reset, skip-reading miss."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None
+                 ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._stats = TokenStats()
+        self._events: list[Any] = []
+        self._reqs: dict[str, Any] = {}
+
+    # ---- worker side: count what moves
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for r in meta.requests:
+            if not r.is_store:
+                self._stats.data["loaded_tokens"] += int(r.slot_mapping.numel())
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        for r in meta.requests:
+            if r.is_store:
+                self._stats.data["saved_tokens"] += int(r.slot_mapping.numel())
+        super().wait_for_save()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, TokenStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return TokenStats(data=dict(data)) if data is not None else TokenStats()
+
+    # ---- scheduler side: events, reset, skip-reading
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        self._reqs[request.request_id] = request
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        n, is_async = super().get_num_new_matched_tokens(request,
+                                                         num_computed_tokens)
+        return max(0, n or 0), is_async
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        loads = set(self._requests_need_load)
+        stores = []
+        for new_req in scheduler_output.scheduled_new_reqs:
+            token_ids = new_req.prompt_token_ids or []
+            mm = [f.identifier for f in new_req.mm_features]
+            if new_req.req_id not in loads and not self._found_match_for_prompt(
+                    token_ids, mm):
+                stores.append(new_req.req_id)
+        meta = super().build_connector_meta(scheduler_output)
+        for rid in stores:
+            req = self._reqs.get(rid)
+            if req is None:
+                continue
+            nb = align_to_block_size(len(req.prompt_token_ids), self._block_size) \
+                // self._block_size
+            if nb <= 0:
+                continue
+            self._events.append(self._stored_event(req, nb))
+        return meta
+
+    def _stored_event(self, req: Any, nb: int) -> Any:
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in req.block_hashes[:nb]],
+            parent_block_hash=None,
+            token_ids=list(req.all_token_ids[:nb * self._block_size]),
+            block_size=self._block_size, lora_id=None, medium="CPU",
+            lora_name=None)
+
+    def take_events(self) -> Any:
+        out, self._events = self._events, []
+        return out
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._reqs.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        if os.path.isdir(self._storage_path):
+            shutil.rmtree(self._storage_path)
+        os.makedirs(self._storage_path, exist_ok=True)
+        return True
+
+
+class StatsNeverResetConnector(ReportingExampleConnector):
+    """Fault: get_kv_connector_stats hands out the same, ever-growing counters."""
+
+    def get_kv_connector_stats(self) -> Any:
+        return None if self._stats.is_empty() else self._stats
+
+
+class StatsWrongTypeConnector(ReportingExampleConnector):
+    """Fault: the worker side returns a plain dict instead of KVConnectorStats."""
+
+    def get_kv_connector_stats(self) -> Any:
+        out = super().get_kv_connector_stats()
+        return None if out is None else dict(out.data)
+
+
+class PhantomEventConnector(ReportingExampleConnector):
+    """Fault: announces a stored block that was never stored (or computed)."""
+
+    def take_events(self) -> Any:
+        out = super().take_events()
+        if out:
+            out.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(b"\x5a" * 32)],
+                parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                medium="CPU", lora_name=None))
+        return out
+
+
+class ResetNoopConnector(ReportingExampleConnector):
+    """Fault: reset_cache says it reset, but keeps every stored entry."""
+
+    def reset_cache(self) -> bool | None:
+        return True
+
+
+class IgnoresSkipReadingConnector(ReportingExampleConnector):
+    """Fault: serves cached KV to requests with skip_reading_prefix_cache."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        self._reqs[request.request_id] = request
+        n, is_async = ExampleConnector.get_num_new_matched_tokens(
+            self, request, num_computed_tokens)
+        return max(0, n or 0), is_async
+
+
+class UnusedHookConnector(ReportingExampleConnector):
+    """Overrides handle_preemptions; a run without a preemption never drives it."""
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        return None

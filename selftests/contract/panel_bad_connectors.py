@@ -1,0 +1,95 @@
+"""Known-bad variants of the panel's correct connectors: ONE fault each.
+
+Each is the panel connector of the same shape (``panel_connectors.py``) with one
+defect, so the contract check that must catch it fails on that defect alone
+(``test_panel_connectors.py`` asserts the check and its words). Loaded by vLLM
+through ``kv_connector_module_path = "panel_bad_connectors"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from panel_connectors import (
+    AsyncPanelConnector,
+    DelayedFreePanelConnector,
+    SyncPanelConnector,
+)
+
+
+class CountsFailedReceiveAsDoneConnector(AsyncPanelConnector):
+    """Fault: a failed asynchronous load is reported finished (``finished_recving``)
+    but its blocks are never reported through ``get_block_ids_with_load_errors``:
+    vLLM takes the unloaded blocks as loaded."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()
+        return set()
+
+
+class NeverEndsFailedReceiveConnector(AsyncPanelConnector):
+    """Fault: a failed asynchronous load is never reported finished: the request
+    waits for remote KV forever."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        self._recv_done -= self._failed_reqs
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()
+        return set()
+
+
+class NeverSendsConnector(DelayedFreePanelConnector):
+    """Fault: ``request_finished`` delays freeing the blocks, but the worker never
+    names the request in ``finished_sending``: its blocks leak."""
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        _sending, recving = super().get_finished(finished_req_ids)
+        return None, recving
+
+
+class SharedFileAcrossRanksConnector(SyncPanelConnector):
+    """Fault (under TP > 1): every rank writes and reads the same file per chunk,
+    so the heads of whichever rank wrote last are what every rank loads. (The correct shape is
+    ``RankAwarePanelConnector``.)"""
+
+
+class CapsHitAt2kConnector(SyncPanelConnector):
+    """Fault: never matches beyond 2,048 tokens although longer prompts are
+    stored whole (visible only to prompts longer than 2k tokens)."""
+
+    CAP_TOKENS = 2048
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        n, is_async = super().get_num_new_matched_tokens(request,
+                                                         num_computed_tokens)
+        cap = max(0, self.CAP_TOKENS // self.chunk * self.chunk - num_computed_tokens)
+        if n > cap:
+            self._planned.pop(request.request_id, None)
+            if cap:
+                self._planned[request.request_id] = (num_computed_tokens,
+                                                     num_computed_tokens + cap)
+            return cap, is_async and bool(cap)
+        return n, is_async
+
+
+class MatchesOneChunkLessConnector(SyncPanelConnector):
+    """Fault: answers one chunk less than it holds once it holds two or more."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        n, is_async = super().get_num_new_matched_tokens(request,
+                                                         num_computed_tokens)
+        plan = self._planned.get(request.request_id)
+        if plan is None or plan[1] < 2 * self.chunk:
+            return n, is_async
+        local, hit = plan
+        less = max(0, hit - self.chunk - local)
+        if less:
+            self._planned[request.request_id] = (local, local + less)
+        else:
+            self._planned.pop(request.request_id, None)
+        return less, is_async and bool(less)

@@ -1,0 +1,168 @@
+"""The exploration finds each planted fault within its default budget, on the right
+invariant, with a replay script; correct connectors of two shapes pass it, the
+``faults`` family included.
+
+Each connector of ``explore_connectors.py`` runs the contract tier's exploration
+(``suites/contract/test_exploration.py``, one family) in a fresh pytest with the
+default example budget and a fixed ``--tvc-seed``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.hw_any
+
+# connector class -> (family, invariant named in the failure, method named)
+BAD = {
+    "BadBoundsConnector": ("core", "matched tokens within the prompt",
+                           "get_num_new_matched_tokens"),
+    "BadShiftOnSharedPrefixConnector": ("core", "loaded KV bit-identical",
+                                        "start_load_kv"),
+    "BadLeakOnAbortWhileLoadingConnector": ("core", "no block or request leaks",
+                                            "request_finished"),
+    "BadIgnoresSaltConnector": ("tenants", "no hit across tenants or adapters",
+                                "get_num_new_matched_tokens"),
+    "BadIgnoresPromptEmbedsConnector": ("tenants",
+                                        "no hit across tenants or adapters",
+                                        "get_num_new_matched_tokens"),
+    "BadSilentLostLoadConnector": ("faults", "loaded KV bit-identical",
+                                   "start_load_kv"),
+    "BadNeverFinishesAfterFaultConnector": ("faults", "every load finishes",
+                                            "get_finished"),
+    "BadRematchesFailedEntryConnector": ("faults", "every load finishes",
+                                         "get_num_new_matched_tokens"),
+}
+
+PROFILE = """\
+[profile]
+name = "explore-{cls}"
+[connector]
+name = "{cls}"
+module_path = "explore_connectors"
+kv_role = "kv_both"
+extra_config = {{ store_id = "{cls}" }}
+worker_devices = ["cpu"]
+fault_injector = "explore_connectors:memory_fault_injector"
+[scratch]
+dir = "{scratch}"
+"""
+
+
+def run_exploration(cls: str, select: str, tmp_path: Path, *extra: str,
+                    devices: str = '["cpu"]', report: str = ""
+                    ) -> subprocess.CompletedProcess:
+    """Run the exploration test for connector ``cls`` (families ``-k select``).
+
+    ``devices`` is the profile's ``connector.worker_devices``; without ``cpu``
+    the exploration runs vLLM's scheduler with the stand-in ``report``
+    (``connector.worker_report``) in place of the worker side.
+    """
+    prof = tmp_path / f"explore-{cls}.toml"
+    prof.write_text(PROFILE.format(cls=cls, scratch=tmp_path / "scratch").replace(
+        'worker_devices = ["cpu"]', f"worker_devices = {devices}"
+        + (f'\nworker_report = "{report}"' if report else "")))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TVC_PROFILE", "TVC_SEED", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/contract/test_exploration.py",
+         "-m", "contract", "-k", select, f"--tvc-profile={prof}",
+         "--tvc-seed=1", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+         "-p", "no:logging", "-s", f"--tvc-report-dir={tmp_path / 'report'}",
+         *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("cls", sorted(BAD))
+def test_exploration_finds_planted_fault(cls, tmp_path) -> None:
+    family, invariant, method = BAD[cls]
+    proc = run_exploration(cls, family, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed" in out, (
+        f"{cls}: the exploration [{family}] did not fail (exit {proc.returncode}); "
+        f"expected invariant {invariant!r}. Tail:\n{out[-4000:]}")
+    assert f"invariant '{invariant}' broken" in out, (
+        f"{cls}: failed, but not on invariant {invariant!r}. Tail:\n{out[-4000:]}")
+    after = out[out.index(f"invariant '{invariant}' broken"):]
+    line = next(ln for ln in after.splitlines() if "connector method at fault:" in ln)
+    assert method in line, f"{cls}: {line!r} does not name {method}"
+    assert "replay (minimal event sequence" in out and (
+        f"replay_explorer('explore-{cls}'" in out or "replay_explorer(" in out), (
+        f"{cls}: no replay script in the failure. Tail:\n{out[-4000:]}")
+
+
+@pytest.mark.parametrize("cls", ["MemoryConnector", "AsyncMemoryConnector"])
+def test_correct_connector_passes_every_family_without_faults(cls, tmp_path
+                                                              ) -> None:
+    proc = run_exploration(cls, "exploration and not faults", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "4 passed" in out, (
+        f"{cls} (correct) got a red from the exploration. Tail:\n{out[-6000:]}")
+    rates = [ln for ln in out.splitlines() if ln.startswith("exploration [")]
+    assert len(rates) == 4, rates
+
+
+@pytest.mark.parametrize("cls", ["MemoryConnector", "AsyncMemoryConnector"])
+def test_correct_connector_passes_the_faults_family(cls, tmp_path) -> None:
+    proc = run_exploration(cls, "faults", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in out, (
+        f"{cls} (correct) got a red from the exploration. Tail:\n{out[-6000:]}")
+    # premise: faults fired and failed loads were reported (a fault-free green
+    # proves nothing about the recovery)
+    line = next(ln for ln in out.splitlines() if ln.startswith("exploration ["))
+    assert "'failed_loads_reported': 0," not in line and "'faults': {}" not in line, (
+        line)
+
+
+def test_explore_examples_option_refuses_zero(tmp_path) -> None:
+    proc = run_exploration("MemoryConnector", "core", tmp_path,
+                           "--tvc-explore-examples=0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4 and "--tvc-explore-examples" in out and (
+        "not positive" in out), out[-2000:]
+
+
+@pytest.mark.parametrize(("devices", "worker"), [
+    ('["cuda"]', "stand-in: explore_connectors:no_transfer_report"),
+    ('["cpu"]', "")], ids=["stand-in", "real"])
+def test_exploration_flags_the_stand_in_worker(devices, worker, tmp_path) -> None:
+    """An exploration that ran the stand-in worker (no KV bytes moved) says so,
+    like every other contract test: the ``worker`` property, in summary.json and
+    on the page's exploration table; one with the real worker does not."""
+    import json
+
+    proc = run_exploration("MemoryConnector", "core", tmp_path, devices=devices,
+                           report="explore_connectors:no_transfer_report"
+                           if worker else "")
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    (test,) = [t for t in summary["tests"]
+               if "explored_event_sequences" in t["nodeid"]]
+    label = str(test["properties"].get("worker", ""))
+    page = (tmp_path / "report" / "summary.md").read_text()
+    if worker:  # flagged whether the exploration passed or failed
+        assert label == worker, (label, test["properties"].keys())
+        assert "no KV bytes moved" in page and label in page, page[-3000:]
+    else:
+        assert label == "", test["properties"]
+    if "exploration" in test["properties"]:  # it ran to its end: the table row
+        stats = test["properties"]["exploration"]
+        assert stats["examples"] > 0 and stats["steps"] > 0, stats  # it explored
+        assert stats["standins"] == ([label.removeprefix("stand-in: ")] if worker
+                                     else []), (stats["standins"], label)
+        section = page[page.index("## Exploration"):]
+        row = next(ln for ln in section.splitlines() if ln.startswith("| core |"))
+        assert (f"| {label} |" if worker else "| real |") in row, row
+    else:
+        assert worker and test["outcome"] == "failed", test  # only a red stops it
+    assert proc.returncode in (0, 1), (proc.stdout + proc.stderr)[-3000:]

@@ -1,0 +1,253 @@
+"""The contract tier gives every correct connector of the panel zero reds.
+
+``panel_connectors.py`` holds small, correct connectors of the shapes vLLM
+allows (synchronous; asynchronous, loading in the admission step; chunked at 16
+to 256 tokens, LMCache's default chunk being 256; delayed-free; rank-aware;
+failure-reporting). Each runs the whole contract tier (``-m contract``, CPU) with
+a generated profile, and must come back with no failure and no error, the
+scenarios of its shape having really run (passed, not skipped).
+
+Each false red the panel found is fixed in the suite, and for each fix a
+known-bad variant (``panel_bad_connectors.py``) shows the check still catches
+its own fault, in its own words:
+
+* store faults are injected once the connector answered the lookup, before its
+  load (an asynchronous connector loading in the admission step is judged
+  fairly), and a failed receive counted as done or never ended is red;
+* the hit-rule test's prompts stay within the rig's max_model_len for chunks of
+  64 and 256 tokens, and reach beyond 2k tokens there;
+* the TP = 2 harness sets ``parallel_config.rank`` per rank;
+* the scheduler-only test acknowledges delayed frees; a real leak is still red;
+* a profile giving only ``connector.hit_rules`` has its hits checked;
+* a rig where no worker can run says so, never "leaks".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from selftests.conftest import REPO_ROOT, SuiteRun, run_suite
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.hw_any
+
+RULE = "(len - 1) // max(chunk_tokens, B) * max(chunk_tokens, B)"
+RULE_SOURCE = ("selftests/contract/panel_connectors.py: whole stored chunks of the "
+               "prompt, capped at len - 1")
+
+PROFILE = """\
+[profile]
+name = "panel-{name}"
+[connector]
+name = "{cls}"
+module_path = "{module}"
+kv_role = "kv_both"
+extra_config = {{ store_path = "${{SCRATCH}}/panel-store", chunk_tokens = {chunk} }}
+granularity = "max(chunk_tokens, B)"
+{rule}
+persistent_store = true
+{devices}
+[vllm]
+tensor_parallel_sizes = {tp}
+[scratch]
+dir = "{scratch}"
+"""
+
+ASYNC = ("test_async_load_completes_through_finished_receiving",
+         "test_abort_leaves_nothing_behind[cpu-waiting_for_remote_kv]")
+TP2 = ("test_tp_round_trip_is_bit_identical_on_every_rank[B16-H2-cpu-gloo]",
+       "test_tp_round_trip_is_bit_identical_on_every_rank[B16-H4-cpu-gloo]",
+       "test_tp_load_error_on_one_rank_reaches_the_scheduler[cpu-gloo]")
+# every member: these ran (passed), so the green is not one of skipped scenarios
+RAN = ("test_second_pass_matches_declared_hit_rule[16]",
+       "test_second_pass_matches_declared_hit_rule[32]",
+       "test_store_fault_is_reported_never_silent[cpu-lose-recompute]",
+       "test_store_fault_is_reported_never_silent[cpu-tear-fail]",
+       "test_store_fault_is_reported_never_silent[cpu-corrupt-recompute]",
+       "test_store_fault_is_reported_never_silent[cpu-fail_save-recompute]",
+       "test_reported_load_failure_affects_that_request_only[cpu-recompute]",
+       "test_preemption_and_resume[cpu]",
+       "test_granularity_prompts_at_chunk_boundaries[cpu]",
+       "test_local_prefix_cache_hit_then_external_hit[cpu]",
+       "test_chunked_prefill_stores_the_whole_prompt[cpu]",
+       "test_volume_of_stores_and_loads[cpu]",
+       "test_connector_metadata_survives_scheduler_to_worker_serialization",
+       "test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-D64-float16-cpu-NHD]")
+
+# member id -> (connector class, chunk_tokens, tensor_parallel_sizes, must pass)
+PANEL = {
+    "sync-16": ("SyncPanelConnector", 16, [1], ()),
+    "async-16": ("AsyncPanelConnector", 16, [1], ASYNC),
+    "chunked-32": ("SyncPanelConnector", 32, [1], ()),
+    "chunked-64-async": ("AsyncPanelConnector", 64, [1], ASYNC),
+    "chunked-128-delayed-free": ("DelayedFreePanelConnector", 128, [1], ()),
+    "chunked-256": ("SyncPanelConnector", 256, [1], ()),
+    "delayed-free-16": ("DelayedFreePanelConnector", 16, [1], ()),
+    "rank-aware-32": ("RankAwarePanelConnector", 32, [1, 2], TP2),
+    "failure-reporting-16": ("FailureReportingPanelConnector", 16, [1], ()),
+}
+
+
+def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
+                 tp: list[int] | None = None, module: str = "panel_connectors",
+                 rule: str | None = None, devices: str = 'worker_devices = ["cpu"]',
+                 select: list[str] | None = None) -> SuiteRun:
+    """Run the contract tier (or ``select``) against one connector on CPU.
+
+    Args:
+        tmp_path: the test's folder (profile, scratch, report).
+        name: profile name suffix.
+        cls: connector class in ``module``.
+        chunk: ``chunk_tokens`` of the extra config.
+        tp: ``[vllm] tensor_parallel_sizes``.
+        module: the connector module (this folder is on PYTHONPATH).
+        rule: the profile's hit-rule lines (default: ``hit_rule`` = :data:`RULE`).
+        devices: the ``worker_devices`` line ("" leaves the default).
+        select: pytest arguments choosing the tests (default: the whole tier).
+
+    Returns:
+        the :class:`SuiteRun`.
+
+    """
+    if rule is None:
+        rule = f'hit_rule = "{RULE}"\nhit_rule_source = "{RULE_SOURCE}"'
+    prof = tmp_path / f"panel-{name}.toml"
+    prof.write_text(PROFILE.format(name=name, cls=cls, module=module, chunk=chunk,
+                                   rule=rule, devices=devices, tp=tp or [1],
+                                   scratch=tmp_path / "scratch"))
+    env = {"TVC_SCENARIO_VOLUME": "1000",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO_ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    args = select or ["suites/contract", "-m", "contract", "-n", "2"]
+    return run_suite([*args, f"--tvc-profile={prof}"],
+                     tmp_path / "report", env=env, timeout_s=900)
+
+
+def reds(run: SuiteRun) -> list[str]:
+    """Node id and message of every failed or errored test of a run."""
+    assert run.summary is not None, run.tail()
+    return [f"{t['nodeid']}: {(t.get('message') or '')[:600]}"
+            for t in run.summary["tests"] if t["outcome"] in ("failed", "error")]
+
+
+def outcome(run: SuiteRun, name: str) -> str:
+    """The outcome of the one test whose node id contains ``name``."""
+    return run.test(name)["outcome"]
+
+
+@pytest.mark.parametrize("member", sorted(PANEL))
+def test_panel_connector_gets_zero_reds(member: str, tmp_path: Path) -> None:
+    cls, chunk, tp, must = PANEL[member]
+    run = run_contract(tmp_path, member, cls, chunk, tp=tp)
+    red = reds(run)
+    assert not red and run.rc == 0, (
+        f"{member} ({cls}, chunk {chunk}): a correct connector got {len(red)} "
+        "red(s) from the contract tier — false reds of the suite:\n"
+        + "\n".join(red) + f"\n{run.tail(2000)}")
+    for name in RAN + must:
+        assert outcome(run, name) == "passed", (
+            f"{member}: {name} did not run to a pass ({outcome(run, name)}): "
+            "the green proves nothing about that scenario")
+
+
+# ------------------------------------------------- each fix still catches its fault
+SCEN = "suites/contract/test_scenarios.py"
+SCHED = "suites/contract/test_scheduler_contract.py"
+
+
+@pytest.mark.parametrize(("cls", "kind", "needle"), [
+    ("CountsFailedReceiveAsDoneConnector", "lose-recompute",
+     "it loaded the damaged entry silently"),
+    ("CountsFailedReceiveAsDoneConnector", "tear-fail",
+     "it loaded the damaged entry silently"),
+    ("NeverEndsFailedReceiveConnector", "lose-recompute",
+     "'WAITING_FOR_REMOTE_KVS'} — a load or store never completed"),
+])
+def test_a_failed_receive_counted_done_or_never_ended_is_red(
+        cls: str, kind: str, needle: str, tmp_path: Path) -> None:
+    run = run_contract(tmp_path, cls, cls, 16, module="panel_bad_connectors",
+                       select=[SCEN, "-m", "contract", "-k",
+                               f"store_fault and {kind} and cpu"])
+    t = run.test(f"[cpu-{kind}]")
+    assert t["outcome"] == "failed" and needle in t["message"], (
+        f"{cls}: expected a red containing {needle!r}; got {t['outcome']}: "
+        f"{t['message']}\n{run.tail(2000)}")
+    assert "after the connector matched" in t["message"] or "never completed" in \
+        t["message"], t["message"]
+
+
+def test_a_cap_below_the_rule_is_red_beyond_2k_tokens_at_chunk_256(
+        tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "cap2k", "CapsHitAt2kConnector", 256,
+                       module="panel_bad_connectors",
+                       select=[SCHED, "-m", "contract", "-k",
+                               "second_pass_matches_declared_hit_rule"])
+    for b in (16, 32):
+        t = run.test(f"test_second_pass_matches_declared_hit_rule[{b}]")
+        assert t["outcome"] == "failed", (t, run.tail(2000))
+        assert "never completed" not in t["message"], t["message"]
+        assert "2048" in t["message"] and "expect" in t["message"], t["message"]
+
+
+def test_the_tp_harness_catches_ranks_sharing_one_file(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "shared", "SharedFileAcrossRanksConnector", 32,
+                       tp=[1, 2], module="panel_bad_connectors",
+                       select=["suites/contract/test_tp.py", "-m", "contract", "-k",
+                               "round_trip and H2"])
+    t = run.test("[B16-H2-cpu-gloo]")
+    # Both ranks write the one file; whichever writes last wins, so the other
+    # rank is the one that loads foreign heads: either rank may be named.
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    assert re.search(r"rank [01] of 2 \(KV heads \d\.\.\d of 2\)", t["message"]), (
+        t["message"])
+
+
+def test_a_real_leak_is_still_named_a_leak(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "leak", "NeverSendsConnector", 16,
+                       module="panel_bad_connectors",
+                       select=[SCHED, "-m", "contract", "-k",
+                               "every_block_free or serialization"])
+    t = run.test("test_scheduler_is_empty_and_every_block_free")
+    assert t["outcome"] == "failed" and "(leaked blocks)" in t["message"], t
+    assert "no worker ran" not in t["message"], t["message"]
+    # the scheduler-only test has no worker: it acknowledges the delayed free
+    assert outcome(run, "serialization") == "passed", run.tail(2000)
+
+
+def test_no_worker_on_this_box_is_named_not_called_a_leak(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "cuda-default", "DelayedFreePanelConnector", 16,
+                       devices="", select=[SCHED, "-m", "contract", "-k",
+                                           "every_block_free or serialization"])
+    t = run.test("test_scheduler_is_empty_and_every_block_free")
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    msg = t["message"]
+    assert "no worker ran" in msg and "worker_devices = ['cuda']" in msg, msg
+    assert 'worker_devices = ["cpu"]' in msg and "connector.worker_report" in msg
+    assert "leak" not in msg, msg
+    assert outcome(run, "serialization") == "passed", run.tail(2000)
+
+
+HIT_RULES_ONLY = (f'hit_rules = [{{ vllm = ">=0.1", rule = "{RULE}", '
+                  f'source = "{RULE_SOURCE}" }}]')
+
+
+@pytest.mark.parametrize(("cls", "red"), [
+    ("SyncPanelConnector", False), ("MatchesOneChunkLessConnector", True)])
+def test_hit_rules_alone_check_the_scenarios_hits(cls: str, red: bool,
+                                                  tmp_path: Path) -> None:
+    module = "panel_bad_connectors" if red else "panel_connectors"
+    run = run_contract(tmp_path, "rules-only", cls, 16, module=module,
+                       rule=HIT_RULES_ONLY,
+                       select=[SCEN, "-m", "contract", "-k",
+                               "local_prefix_cache_hit and cpu"])
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    if not red:
+        assert t["outcome"] == "passed", (t, run.tail(2000))
+        return
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    assert "the profile's hit_rule expects" in t["message"], t["message"]

@@ -1,0 +1,112 @@
+"""Findings: every failure of a run is listed with its rerun command; the Tutti
+defects the suite knows get their title and reproduction, each from its own
+symptom only."""
+
+from __future__ import annotations
+
+import pytest
+
+from tvc.plugin.error_hints import hint_prefix
+from tvc.plugin.findings import findings
+
+pytestmark = [pytest.mark.hw_any]
+
+PROFILE = {"name": "tutti-public", "source": "/x/profiles/tutti-public.toml",
+           "connector": "TuttiConnectorV1"}
+
+
+def _t(nodeid: str, message: str, outcome: str = "failed") -> dict:
+    return {"nodeid": nodeid, "outcome": outcome, "message": message}
+
+
+def _rank4(shape: str) -> str:
+    msg = f"AssertionError: unsupported paged KV tensor rank 4 (shape={shape})"
+    return hint_prefix(msg) + "The connector's worker side failed ... " + msg
+
+
+def test_tutti_defects_are_named_from_their_symptoms() -> None:
+    tests = [
+        _t("suites/contract/test_scenarios.py::test_tenant_isolation_cache_salt_and_"
+           "lora", "tenant isolation: the same 129 tokens under another cache_salt "
+           "matched 128"),
+        _t("suites/contract/test_scenarios.py::test_local_prefix_cache_hit_then_"
+           "external_hit", "local + external: 105-token prompt, 16 tokens in vLLM's "
+           "local prefix cache: the connector matched 64"),
+        _t("suites/contract/test_connector_config.py::test_bad_size_value_fails_at_"
+           "creation_naming_it[store.options.num_chunks-wrong_type]",
+           "creating the connector with store.options.num_chunks='not-a-number' "
+           "failed, but the message does not name the key: TypeError"),
+        _t("suites/contract/test_worker_roundtrip.py::test_x[B16-H2-D64-float16-"
+           "cuda-NHD]", _rank4("(64, 2, 16, 128)")),
+        _t("suites/contract/test_worker_roundtrip.py::test_x[B16-H8-D64-float16-"
+           "cuda-NHD]", _rank4("(64, 16, 8, 128)")),
+        _t("suites/e2e/test_x.py::test_y", "server died", "error"),
+        _t("suites/e2e/test_x.py::test_z", "known upstream defect", "xfailed"),
+        _t("suites/e2e/test_x.py::test_ok", "", "passed"),
+        _t("suites/e2e/test_x.py::test_skip", "no GPU", "skipped"),
+    ]
+    got = findings(tests, PROFILE, seed=7)
+    keys = [f["key"] for f in got]
+    assert keys == ["tutti-cache-salt", "tutti-local-hit-alignment",
+                    "tutti-num-chunks-type", "tutti-rank4-per-layer",
+                    "tutti-kv-heads", "test", "test"], keys
+    for f in got:
+        assert f["rerun"].startswith("pytest ") and \
+            "--tvc-profile=/x/profiles/tutti-public.toml --tvc-seed=7" in f["rerun"]
+    assert all(f["reproduction"] and f["source"] for f in got[:5])
+    assert got[-1]["outcome"] == "xfailed"
+
+
+def test_a_symptom_elsewhere_is_not_that_defect() -> None:
+    """The tenant-isolation title needs the tenant test and its message."""
+    got = findings([_t("suites/contract/test_scenarios.py::test_abort_leaves_"
+                       "nothing_behind", "tenant isolation")], PROFILE)
+    assert [f["key"] for f in got] == ["test"]
+
+
+def test_the_same_symptom_of_another_connector_is_not_tuttis_defect() -> None:
+    """A tenant-isolation failure of another connector gets no Tutti title,
+    reproduction or source (fresh-user finding: an ExampleConnector subclass's
+    red was titled with Tutti's chunk keys and source)."""
+    tenant = _t("suites/contract/test_scenarios.py::test_tenant_isolation_cache_"
+                "salt_and_lora", "tenant isolation: the same 41 tokens under "
+                "another cache_salt matched 32")
+    mine = {"name": "my", "source": "/x/my.toml", "connector": "MyConnector"}
+    got = findings([tenant], mine)
+    assert [f["key"] for f in got] == ["test"]
+    assert not got[0]["reproduction"] and not got[0]["source"], got
+    assert [f["key"] for f in findings([tenant], PROFILE)] == ["tutti-cache-salt"]
+
+
+def _dropped(kind: str) -> str:
+    return ("replaying a stored 72-token prompt matched 0 tokens; ...; the worker "
+            f"side returned 2 non-empty worker metadata object(s) ({kind}) from "
+            "build_connector_worker_meta, and vLLM's scheduler handed each to the "
+            "connector's update_connector_output, yet get_num_new_matched_tokens "
+            "matched 0: the scheduler side did not publish what its workers "
+            "reported as stored")
+
+
+def test_dropped_worker_commits_are_tutti_only_with_tutti_metadata() -> None:
+    node = "suites/contract/test_worker_roundtrip.py::t[B16-H2-D64-cuda-NHD]"
+    got = findings([_t(node, _dropped("TuttiWorkerMetadata"))], PROFILE)
+    assert [f["key"] for f in got] == ["tutti-residency-unpublished"], got
+    assert got[0]["reproduction"] and got[0]["source"]
+    other = findings([_t(node, _dropped("StoredPrefixes"))], PROFILE)
+    assert [f["key"] for f in other] == ["test"], other
+
+
+def test_one_defect_seen_by_several_tests_is_one_finding() -> None:
+    tests = [_t(f"suites/contract/test_worker_roundtrip.py::t[B16-H2-D{d}-cuda]",
+                _rank4(f"(64, 2, 16, {2 * d})")) for d in (64, 128)]
+    got = findings(tests, PROFILE)
+    assert len(got) == 1 and len(got[0]["tests"]) == 2, got
+
+
+def test_the_rerun_command_carries_the_runs_pythonpath() -> None:
+    """An out-of-tree connector is found through PYTHONPATH: a rerun without it
+    fails on the import (fresh-user finding), so the command names it."""
+    tests = [_t("suites/contract/test_x.py::test_y", "boom")]
+    got = findings(tests, PROFILE, seed=7, pythonpath="/home/me/my conn")
+    assert got[0]["rerun"].startswith("PYTHONPATH='/home/me/my conn' pytest "), got
+    assert findings(tests, PROFILE, seed=7)[0]["rerun"].startswith("pytest ")

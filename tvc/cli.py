@@ -1,0 +1,369 @@
+"""The ``tvc`` command: certify a profile, re-render a run's page, merge run folders.
+
+``tvc certify PROFILE [pytest args]``
+    every tier in one strict pytest run, one run folder, a verdict line
+    (``CERTIFIED``, ``PASSED a selection ... not certified``, ``NOT certified``);
+    exits with pytest's status (2: usage error, 4: bad profile).
+``tvc summary RUN_DIR``
+    re-renders ``summary.md``/``summary.html`` from ``summary.json`` and prints the
+    verdict and counts; exits 0 for ``PASS``, 1 otherwise, 2 for a bad folder.
+``tvc merge RUN_DIR... --out DIR``
+    one fleet summary and one JUnit file from run folders of many hosts
+    (:mod:`tvc.plugin.fleet`); exits 0 when every run passed, 1 otherwise, 2 for a
+    bad folder.
+
+Documented in ``docs/cli.md``. Importing this module is cheap (argparse only):
+each command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: pytest arguments that run no test: a certification cannot use them
+NO_TEST_ARGS = ("--co", "--collect-only", "-h", "--help", "--version", "-V",
+                "--fixtures", "--fixtures-per-test", "--markers", "--setup-plan")
+#: ladder order of the tiers; any other folder under suites/ runs after these
+TIER_ORDER = ("level1", "level2", "contract", "real_nvme", "e2e", "bandwidth",
+              "trace")
+DEFAULT_WORKERS = 5  # xdist workers of a certification (CERTIFY_WORKERS)
+
+
+def _err(prefix: str, text: str) -> None:
+    print(f"{prefix}: {text}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------- certify
+
+def strict_levels(profile: Any) -> list[str]:
+    """The ``--tvc-require`` levels a certification of ``profile`` uses.
+
+    ``gpu`` always; ``gpu2`` when a tensor-parallel size above 1 or a
+    prefill/decode pair is claimed (``[vllm] tensor_parallel_sizes``,
+    ``[pd] enabled``); ``nvme`` when it has a store (``[store] path`` or
+    ``[daemon] device_globs``). Missing hardware then fails instead of skipping.
+
+    Args:
+        profile: a loaded :class:`tvc.config.profile.Profile`.
+
+    Returns:
+        the levels, in that order.
+
+    """
+    need = ["gpu"]
+    if any(n > 1 for n in profile["vllm"]["tensor_parallel_sizes"]) or profile[
+            "pd"]["enabled"]:
+        need.append("gpu2")
+    if profile["store"]["path"] or profile["daemon"]["device_globs"]:
+        need.append("nvme")
+    return need
+
+
+def find_root(given: str | None) -> Path | None:
+    """The folder holding ``suites/``.
+
+    ``--root``, else the current folder, else the checkout the package was
+    imported from; None when none has one.
+    """
+    if given:
+        return Path(given).resolve()
+    from tvc.config.profile import REPO_ROOT
+
+    for cand in (Path.cwd(), REPO_ROOT):
+        if (cand / "suites").is_dir():
+            return cand.resolve()
+    return None
+
+
+def tier_paths(root: Path) -> list[str]:
+    """``suites/<tier>`` in ladder order, then any other folder under ``suites/``."""
+    suites = root / "suites"
+    tiers = [f"suites/{t}" for t in TIER_ORDER if (suites / t).is_dir()]
+    for d in sorted(suites.iterdir()):
+        rel = f"suites/{d.name}"
+        if d.is_dir() and not d.name.startswith(("_", ".")) and rel not in tiers:
+            tiers.append(rel)
+    return tiers
+
+
+def narrowed_by(summary: dict[str, Any]) -> str:
+    """What pytest selected away in a run (``-k``, ``-m``, deselected tests).
+
+    The suite's own deselection of device variants the connector cannot run
+    (a ``why`` starting ``[``, e.g. ``[cpu] worker variants: ...``) is not a
+    user's selection.
+
+    Returns:
+        e.g. ``-k 'test_x', 12 test(s) deselected``; ``""`` for a full run.
+
+    """
+    run = summary.get("run") or {}
+    why = [f"-k {run['keyword']!r}"] if run.get("keyword") else []
+    why += [f"-m {run['markexpr']!r}"] if run.get("markexpr") else []
+    n = sum(int(d.get("count", 0)) for d in summary.get("deselected") or []
+            if not str(d.get("why", "")).startswith("["))
+    if n:
+        why.append(f"{n} test(s) deselected")
+    return ", ".join(why)
+
+
+def certify_verdict(rc: int, partial: Sequence[str], known: int) -> str:
+    """The verdict of a certification run.
+
+    ``CERTIFIED``, ``PASSED a selection (...) ..., not certified`` or ``NOT
+    certified``; ``known`` known defects accepted are named.
+    """
+    accepted = (f" with {known} known defect(s) the profile accepts "
+                "([[known_failures]], listed above)" if known else "")
+    if rc != 0:
+        return "NOT certified"
+    if partial:
+        return f"PASSED a selection ({' '.join(partial)}){accepted}, not certified"
+    return f"CERTIFIED{accepted}"
+
+
+def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = None,
+            env: dict[str, str] | None = None) -> int:
+    """Certify one profile: every tier, strict mode, one run folder.
+
+    Args:
+        profile: a built-in profile name or a TOML path (relative to the
+            current folder).
+        pytest_args: passed to pytest as they are (``-k``, ``-x``,
+            ``--tvc-trace-size=large``...).
+        root_arg: the folder holding ``suites/`` (default: :func:`find_root`).
+        env: the environment (default ``os.environ``): ``CERTIFY_WORKERS``
+            (xdist workers, default 5, 0 = none), ``TVC_REPORTS_ROOT`` (where the
+            run folder goes, default ``<root>/reports``), ``CERTIFY_DRY_RUN=1``
+            (print the pytest command only).
+
+    Returns:
+        pytest's exit status (0 = certified, or passed a selection); 2 for a
+        usage error, 4 for a bad profile.
+
+    """
+    import shlex
+    import signal
+    import subprocess
+    import time
+
+    env = dict(os.environ if env is None else env)
+    partial: list[str] = []
+    for a in pytest_args:
+        if a in NO_TEST_ARGS:
+            _err("certify", f"{a} runs no test, so it cannot certify; run pytest "
+                 "with it directly")
+            return 2
+        if a.split("=", 1)[0] in ("--ignore", "--ignore-glob"):
+            partial.append(a)
+    raw = env.get("CERTIFY_WORKERS", str(DEFAULT_WORKERS))
+    if not raw.isdigit():
+        _err("certify", f"CERTIFY_WORKERS={raw}: expected a whole number of xdist "
+             "workers (0 = none)")
+        return 2
+    workers = int(raw)
+    if ("/" in profile or profile.endswith(".toml")) and Path(profile).exists():
+        profile = str(Path(profile).resolve())
+    root = find_root(root_arg)
+    if root is None or not (root / "suites").is_dir():
+        _err("certify", f"no suites/ folder in {root or Path.cwd()}: run from the "
+             "suite's checkout or give --root")
+        return 2
+    from tvc.config.profile import ProfileError, load
+
+    try:
+        prof = load(profile)
+    except ProfileError as exc:
+        _err("certify", str(exc).replace("\n", " "))
+        return 4
+    require = ",".join(strict_levels(prof))
+    reports = Path(env.get("TVC_REPORTS_ROOT") or root / "reports")
+    run_dir = reports / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}" \
+                        f"-certify-{prof.name}"
+    tiers = tier_paths(root)
+    print(f"certify: profile {prof.name} ({profile}), strict: {require}, tiers: "
+          f"{' '.join(t.removeprefix('suites/') for t in tiers)}")
+    print(f"certify: run folder {run_dir}")
+    xdist: list[str] = []
+    import importlib.util
+
+    if workers and importlib.util.find_spec("xdist") is not None:
+        xdist = ["-n", str(workers)]
+        print(f"certify: {workers} xdist workers (servers, daemon and stores in GPU "
+              "lanes)")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist,
+           *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
+           f"--tvc-report-dir={run_dir}", *pytest_args]
+    if env.get("CERTIFY_DRY_RUN"):
+        print(shlex.join(cmd))
+        return 0
+    sys.stdout.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=root, env=env)
+
+    def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGHUP: pytest's own
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # tty's ^C
+    try:                                                # reaches pytest directly
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    dt = int(time.monotonic() - t0)
+    from tvc.plugin.report import RunFolderError, read_summary
+
+    try:
+        summary = read_summary(run_dir)
+    except RunFolderError as exc:
+        print(f"certify: no run summary: {exc}")
+        summary = {}
+    if narrowed := narrowed_by(summary):
+        partial.append(narrowed)
+    known = 0
+    for f in summary.get("findings") or []:
+        print(f"certify: finding ({f['outcome']}): {f['title']}; rerun: {f['rerun']}")
+        known += f["outcome"] == "xfailed"
+    verdict = certify_verdict(rc, partial, known)
+    print(f"certify: {prof.name} {verdict} in {dt // 3600}h{dt % 3600 // 60:02d}m"
+          f"{dt % 60:02d}s ({dt} s); rc={rc}; report {run_dir}/summary.html")
+    return rc
+
+
+# ------------------------------------------------------------------- summary
+
+def summary_cmd(run_dir: str) -> int:
+    """``tvc summary RUN_DIR``: re-render the page, print the verdict and counts.
+
+    Returns:
+        0 for ``PASS``, 1 for any other verdict, 2 for a folder that is not a
+        run folder (one line naming the file and the key).
+
+    """
+    from tvc.plugin.report import RunFolderError, read_summary
+
+    d = Path(run_dir)
+    try:
+        s = read_summary(d)
+    except RunFolderError as exc:
+        _err("tvc summary", str(exc))
+        return 2
+    if "fleet" in s:
+        from tvc.plugin.fleet import write_fleet_page
+
+        files = write_fleet_page(d, s)
+        word, why = s["fleet"].get("verdict", "NO DATA"), s["fleet"].get("why", "")
+        hosts = s["fleet"].get("hosts") or []
+        print(f"{word}: {why}")
+        for h in hosts:
+            print(f"  {h['label']}: {h['verdict']} ({h['why']})")
+    else:
+        from tvc.plugin.summary_page import write_page
+
+        notes: list[str] = []
+        files = write_page(d, notes)
+        from tvc.plugin.summary_page import verdict
+
+        word, why = verdict(s)
+        print(f"{word}: {why}")
+        for note in notes:
+            print(note)
+    c = s.get("counts") or {}
+    print("counts: " + ", ".join(f"{k} {c.get(k, 0)}" for k in (
+        "passed", "failed", "error", "xfailed", "skipped", "not_run")))
+    for name in ("markdown", "html"):
+        print(f"{name}: {files[name]}")
+    return 0 if word == "PASS" else 1
+
+
+# --------------------------------------------------------------------- merge
+
+def merge_cmd(run_dirs: Sequence[str], out: str) -> int:
+    """``tvc merge RUN_DIR... --out DIR``: one fleet summary and one JUnit file.
+
+    Returns:
+        0 when every run passed, 1 when one did not, 2 for a bad input or
+        output folder (one line naming the file and the key).
+
+    """
+    from tvc.plugin.fleet import merge
+    from tvc.plugin.report import RunFolderError
+
+    try:
+        fleet = merge([Path(d) for d in run_dirs], Path(out))
+    except RunFolderError as exc:
+        _err("tvc merge", str(exc))
+        return 2
+    for line in fleet["warnings"]:
+        _err("tvc merge", line)
+    f = fleet["fleet"]
+    print(f"{f['verdict']}: {f['why']}")
+    for h in f["hosts"]:
+        c = h["counts"]
+        print(f"  {h['label']} ({h['profile']}, {h['hardware']}): {h['verdict']}; "
+              f"passed {c['passed']}, failed {c['failed']}, error {c['error']}, "
+              f"skipped {c['skipped']}")
+    for name, path in fleet["files"].items():
+        print(f"{name}: {path}")
+    return 0 if f["verdict"] == "PASS" else 1
+
+
+# ---------------------------------------------------------------------- main
+
+def parser() -> argparse.ArgumentParser:
+    """The ``tvc`` argument parser (sub-commands certify, summary, merge)."""
+    ap = argparse.ArgumentParser(
+        prog="tvc", description="vLLM KV-connector conformance: certify a profile, "
+        "re-render a run folder's summary, merge run folders of many hosts. "
+        "See docs/cli.md.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("certify", help="every tier, strict, one run folder",
+                       description="Certify PROFILE: every tier in one strict "
+                       "pytest run; extra arguments go to pytest. Environment: "
+                       "CERTIFY_WORKERS (xdist workers, default 5, 0 = none), "
+                       "TVC_REPORTS_ROOT, CERTIFY_DRY_RUN=1.")
+    c.add_argument("--root", help="folder holding suites/ (default: the current "
+                   "folder, else the checkout tvc was imported from)")
+    c.add_argument("profile", help="built-in profile name or TOML path")
+    c.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                   help="passed to pytest (-k, -x, --tvc-gpus=0,1 ...)")
+    s = sub.add_parser("summary", help="re-render a run folder's summary page",
+                       description="Re-render RUN_DIR/summary.md and summary.html "
+                       "from summary.json; print the verdict and counts. Exit 0 "
+                       "for PASS, 1 otherwise, 2 for a bad folder.")
+    s.add_argument("run_dir")
+    m = sub.add_parser("merge", help="merge run folders of many hosts",
+                       description="Merge run folders (one per host: a CI matrix, "
+                       "a Slurm array, Kubernetes Jobs) into one fleet summary and "
+                       "one JUnit file in --out. Exit 0 when every run passed, 1 "
+                       "otherwise, 2 for a bad folder.")
+    m.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    m.add_argument("--out", required=True, help="new or empty folder for the "
+                   "fleet summary, or an earlier fleet summary's folder (replaced); "
+                   "never one of the inputs")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tvc`` console script.
+
+    Returns:
+        the exit status (see each command).
+
+    """
+    args = parser().parse_args(argv)
+    if args.command == "certify":
+        return certify(args.profile, args.pytest_args, args.root)
+    if args.command == "summary":
+        return summary_cmd(args.run_dir)
+    return merge_cmd(args.run_dirs, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Profiles: loading, pydantic schema, value checks, hit rules, known failures."""

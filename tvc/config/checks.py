@@ -1,0 +1,487 @@
+"""Value checks behind the profile models: hit rules, log patterns, paths, versions.
+
+Each check raises :class:`Refusal` (a ``ValueError``, so pydantic reports it at the
+field it validates) with what is wrong and what is allowed; a refusal that concerns
+a key below the field (``vllm.env.NAME``, ``connector.hit_rules[0].rule``) names it
+in :attr:`Refusal.key`. :mod:`tvc.config.profile` prefixes the file and the key.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import regex
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from tvc.config.hit_rule import evaluate
+from tvc.config.paths import PACKAGE_DIR, REPO_ROOT
+from tvc.store import run_store
+
+SHOW_CHARS = 80  # characters of a bad value shown in a message
+MAX_PATH_CHARS = 4096  # Linux PATH_MAX (limits.h), bytes of one path
+MAX_PATH_PART_CHARS = 255  # Linux NAME_MAX (limits.h), bytes of one file name
+MAX_SPECIFIER_CHARS = 200  # a PEP 440 specifier set (">=0.26,<0.29,!=0.27.1" is 21)
+MAX_PATTERN_CHARS = 1000  # characters of hit_log_pattern
+MAX_PATTERN_REPEAT = 1000  # largest {m,n} count in hit_log_pattern
+MAX_PATTERN_REPEAT_PRODUCT = 10_000  # product of all {m,n} counts (the regex
+#   module expands counted repeats at compile time: (x{1000}){1000} takes ~0.4 s and
+#   (x{60000}){60000} exhausts memory)
+PATTERN_PROBE_TIMEOUT_S = 0.1  # CPU seconds one probe search may use at load
+PATTERN_PROBE_BUDGET_S = 0.3  # CPU seconds of all probe searches of one pattern
+PATTERN_PROBE_WALL_S = 6.0  # wall-clock seconds one probe may wait for CPU time
+MAX_LOG_LINE_CHARS = 4096  # characters of a server log line that search_log reads:
+#   vLLM's log lines are far shorter (its longest, the engine config, is ~2.5k); the
+#   load-time probes are this long, so a pattern that passes them is searched in
+#   bounded time on every line
+MAX_CONTEXT_TOKENS = 131_072  # the longest context of the models the tiers serve
+CONTRACT_MAX_MODEL_LEN = 4096  # tvc.contract.builders.DEFAULT_MAX_MODEL_LEN (tokens)
+CONTRACT_BLOCK_SIZE = 16  # tvc.contract.scenarios.BLOCK_SIZE (tokens)
+# prompt lengths and block sizes a hit rule must evaluate on (block sizes vLLM
+# allows on CUDA are powers of two from 1 to 128 tokens)
+RULE_PROBE_LENS = (1, 2, 15, 16, 17, 63, 64, 65, 599, 600, 601)
+RULE_PROBE_BLOCKS = (1, 8, 16, 32, 64, 128)
+
+
+class Refusal(ValueError):
+    """A value a profile may not hold; ``key`` names a key below the field, if any."""
+
+    def __init__(self, text: str, key: str = "") -> None:
+        """Store the reason ``text`` and the full dotted ``key`` it concerns."""
+        super().__init__(text)
+        self.key = key
+
+
+def shorten(value: Any, limit: int = SHOW_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters plus ``… (N chars)`` when longer.
+
+    Args:
+        value: any value (strings are measured in characters, others by their repr).
+        limit: characters kept.
+
+    Returns:
+        a one-line text for messages.
+
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = len(value) if isinstance(value, str) else len(text)
+    return f"{text[:limit]}… ({size} chars)"
+
+
+def key_name(name: str, limit: int = 40) -> str:
+    """A key for a message: as written when short and printable, else shortened."""
+    return name if len(name) <= limit and name.isprintable() else shorten(name, limit)
+
+
+def why(exc: BaseException) -> str:
+    """The reason of an evaluation error, for a message."""
+    if isinstance(exc, SyntaxError):
+        return f"syntax error: {exc.msg}"
+    return "division by zero" if isinstance(exc, ZeroDivisionError) else str(exc)
+
+
+_EVAL_ERRORS = (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError)
+
+
+def specifier_problem(text: str) -> str:
+    """Why ``text`` is no usable PEP 440 specifier ('' when it is).
+
+    ``packaging`` accepts a version of 5,000 digits in a specifier and fails only
+    when comparing (Python refuses to convert integers over 4,300 digits), so the
+    specifier is bounded and compared once here.
+    """
+    if len(text) > MAX_SPECIFIER_CHARS:
+        return f"{len(text)} characters, over the limit of {MAX_SPECIFIER_CHARS}"
+    try:
+        SpecifierSet(text).contains(Version("0.28.0"), prereleases=True)
+    except InvalidSpecifier:
+        return "not a PEP 440 version specifier (e.g. '>=0.26,<0.29')"
+    except (ValueError, OverflowError, TypeError) as exc:
+        return f"cannot be compared with a version ({shorten(str(exc), 60)})"
+    return ""
+
+
+def check_specifier(text: str, key: str = "") -> str:
+    """Raise :class:`Refusal` unless ``text`` is a usable PEP 440 specifier."""
+    problem = specifier_problem(text)
+    if problem:
+        raise Refusal(f"{shorten(text)} is {problem}", key)
+    return text
+
+
+def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "") -> None:
+    """Refuse a hit rule that is not a possible hit at every probe length and block.
+
+    Possible: at most ``len`` (vLLM recomputes the last token of a full-prompt hit
+    itself), and not negative once the prompt spans four blocks (integer formulas
+    such as ``(len - 2) // B * B`` dip below 0 only for the shortest prompts). A rule
+    outside that is a typo that would fail every hit check on the GPU host.
+    """
+    for b in RULE_PROBE_BLOCKS:
+        for n in RULE_PROBE_LENS:
+            try:
+                value = evaluate(rule, n, b, variables)
+            except _EVAL_ERRORS as exc:
+                raise Refusal(f"{shorten(rule)} is not an integer expression of len "
+                              f"and B (at len={n}, B={b}: {why(exc)})", key) from None
+            if value > n or (value < 0 and n >= 4 * b):
+                raise Refusal(f"{shorten(rule)} gives {value} tokens at len={n}, "
+                              f"B={b}; a hit is 0 to len tokens", key)
+
+
+def check_granularity(expr: str, variables: Mapping[str, int | float]) -> None:
+    """Refuse a granularity that is not 1 to the longest sequence's tokens at each B."""
+    if not expr:
+        raise Refusal("empty (write B for per-block stores)")
+    if re.search(r"\blen\b", expr):
+        raise Refusal(f"{shorten(expr)} uses len; the tokens per stored unit cannot "
+                      "depend on the prompt")
+    for b in RULE_PROBE_BLOCKS:
+        try:
+            value = evaluate(expr, 0, b, variables)
+        except _EVAL_ERRORS as exc:
+            raise Refusal(f"{shorten(expr)} is not an integer expression of B (at "
+                          f"B={b}: {why(exc)})") from None
+        if value < 1:
+            raise Refusal(f"{shorten(expr)} gives {value} at B={b}; it must be at "
+                          "least 1 token")
+        largest = CONTRACT_MAX_MODEL_LEN if b == CONTRACT_BLOCK_SIZE else (
+            MAX_CONTEXT_TOKENS)
+        if value > largest:
+            raise Refusal(f"{shorten(expr)} gives {value} tokens at B={b}, over the "
+                          f"limit of {largest} (the longest sequence the tiers run at "
+                          "this block size: a unit longer than it is never stored)")
+
+
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+_PROBE_CHARS = "a1 _-.:/\tZ"
+_PROBE_LOG = ("INFO 11-30 12:00:00 [loggers.py:123] Engine 000: Avg prompt throughput: "
+              "59.9 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: "
+              "0.1%, Prefix cache hit rate: 0.0%, ")
+_LITERAL_RUN = re.compile(r"[A-Za-z0-9 _:=-]{3,}")
+
+
+def _probe_texts(pattern: str) -> list[str]:
+    """Log lines of :data:`MAX_LOG_LINE_CHARS` characters that make patterns backtrack.
+
+    Runs of one character (and of each literal character of the pattern),
+    alternations of word and space, repeats of the pattern's literal words and of
+    a vLLM log message, each followed by a character that breaks the match.
+    """
+    n = MAX_LOG_LINE_CHARS - 1
+
+    def run(unit: str) -> str:
+        return (unit * (n // len(unit) + 1))[:n] + "\0"
+
+    literal = [ch for ch in dict.fromkeys(pattern) if ch.isalnum() or ch == " "][:8]
+    words = list(dict.fromkeys(_LITERAL_RUN.findall(pattern)))[:4]
+    units = [*dict.fromkeys(_PROBE_CHARS + "".join(literal)), "a ", "ab1_",
+             *words, *(w + " " for w in words), _PROBE_LOG]
+    return [run(u) for u in units]
+
+
+def _probe_cpu(compiled: Any, probe: str) -> tuple[bool, float]:
+    """Search ``probe``; stop once it used PATTERN_PROBE_TIMEOUT_S of CPU time.
+
+    ``regex`` stops a search by wall-clock time; on a loaded box a search may get
+    little CPU in that time, so a stopped search that used under half the CPU
+    allowance is run again with twice the wall time (at most
+    :data:`PATTERN_PROBE_WALL_S` in all).
+
+    Returns:
+        ``(finished, CPU seconds used)``; not finished means it ran out of CPU.
+
+    """
+    used, wall, waited = 0.0, PATTERN_PROBE_TIMEOUT_S, 0.0
+    while True:
+        t0 = time.thread_time()
+        try:
+            compiled.search(probe, timeout=wall)
+            return True, used + time.thread_time() - t0
+        except TimeoutError:
+            used += time.thread_time() - t0
+        waited += wall
+        if used >= PATTERN_PROBE_TIMEOUT_S / 2 or waited >= PATTERN_PROBE_WALL_S:
+            return False, used
+        wall = min(2 * wall, PATTERN_PROBE_WALL_S - waited)
+
+
+def check_log_pattern(pattern: str) -> str:
+    """Compile a log pattern and refuse one that backtracks catastrophically.
+
+    The pattern is searched (``regex``) in probe texts of the longest log line the
+    tier searches (:func:`_probe_texts`, :data:`MAX_LOG_LINE_CHARS`). The cost is
+    measured in CPU time of this thread, so a loaded box does not refuse a good
+    pattern: over :data:`PATTERN_PROBE_TIMEOUT_S` on one probe, or
+    :data:`PATTERN_PROBE_BUDGET_S` on all, is refused. ``(a+)+$`` takes seconds on
+    one 4096-character run; a benign pattern takes microseconds.
+
+    Raises:
+        Refusal: too long, too large counted repeats, no regex, or too slow.
+
+    """
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise Refusal(f"{len(pattern)} characters, over the limit of "
+                      f"{MAX_PATTERN_CHARS}")
+    product = 1
+    for m in _REPEAT.finditer(pattern):
+        count = max(int(m.group(1)[:12]), int((m.group(2) or "0")[:12]))
+        product *= max(count, 1)
+        if count > MAX_PATTERN_REPEAT or product > MAX_PATTERN_REPEAT_PRODUCT:
+            raise Refusal(f"counted repeats too large ({shorten(m.group(), 30)}; at "
+                          f"most {MAX_PATTERN_REPEAT} each and "
+                          f"{MAX_PATTERN_REPEAT_PRODUCT} multiplied together)")
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, OverflowError, RecursionError, ValueError) as exc:
+        raise Refusal(f"{shorten(pattern)} is not a valid regular expression: "
+                      f"{shorten(str(exc), 120)}") from None
+    probes = _probe_texts(pattern)
+    spent = 0.0
+    for probe in probes:
+        done, used = _probe_cpu(compiled, probe)
+        spent += used
+        if not done or used > PATTERN_PROBE_TIMEOUT_S:
+            raise Refusal(
+                f"{shorten(pattern)} backtracks catastrophically (over "
+                f"{PATTERN_PROBE_TIMEOUT_S} s of CPU on a {len(probe)}-character "
+                "probe line, the longest line the tier searches); avoid nested "
+                "repeats such as (a+)+ or (\\w+\\s?)+")
+        if spent > PATTERN_PROBE_BUDGET_S:
+            raise Refusal(f"{shorten(pattern)} is too slow (over "
+                          f"{PATTERN_PROBE_BUDGET_S} s of CPU on {len(probes)} probe "
+                          f"lines of {MAX_LOG_LINE_CHARS} characters); simplify it")
+    return pattern
+
+
+_SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/boot", "/dev", "/proc", "/sys")
+_SYSTEM_DIRS = ("/", "/var", "/run", "/root", "/home", "/tmp", "/opt", "/srv",
+                "/mnt", "/media")
+
+
+def unsafe_dir_reason(p: Path) -> str:
+    """Why the suite may not own directory ``p`` ("" when it may).
+
+    Refused: ``/``; a system tree (``/etc``, ``/usr``, ``/bin``, ``/sbin``, ``/lib*``,
+    ``/boot``, ``/dev``, ``/proc``, ``/sys``) or anything inside one; ``/var``,
+    ``/run``, ``/root``, ``/home``, ``/tmp``, ``/opt``, ``/srv``, ``/mnt``,
+    ``/media`` themselves; the user's home directory itself; anything inside a
+    ``.git``; the root of a git work tree; the suite's repository or a folder above
+    it; an existing non-directory.
+
+    Args:
+        p: an absolute, normalised path.
+
+    Returns:
+        a phrase, e.g. ``"a system directory (/etc)"``.
+
+    """
+    s = str(p)
+    if s in _SYSTEM_DIRS:
+        return "the root directory" if s == "/" else f"a system directory ({s})"
+    parts = p.parts
+    top = "/" + parts[1] if len(parts) > 1 else "/"
+    if top in _SYSTEM_TREES or top.startswith("/lib"):
+        return f"inside a system directory ({top})"
+    try:
+        if p == Path.home():
+            return "your home directory itself"
+    except (RuntimeError, KeyError):
+        pass
+    if ".git" in parts:
+        return "inside a .git directory"
+    if p == REPO_ROOT or p in REPO_ROOT.parents:
+        return "the suite's repository or a folder above it"
+    if p.is_relative_to(PACKAGE_DIR):
+        return "inside the suite's package (tvc/)"
+    try:
+        if (p / ".git").exists():
+            return "the root of a git work tree"
+        if p.exists() and not p.is_dir():
+            return "an existing file, not a directory"
+    except OSError as exc:
+        return f"not usable ({exc.strerror})"
+    return ""
+
+
+def owned_dir(value: str, raw: str | None = None) -> Path:
+    """Check an explicit scratch/store directory; return it absolute and normalised.
+
+    Args:
+        value: the interpolated path.
+        raw: the value as written (shown too when it differs).
+
+    Raises:
+        Refusal: NUL, empty, no such user, relative, too long, or a folder the
+            suite may not own (:func:`unsafe_dir_reason`,
+            :func:`tvc.store.run_store.ownership_problem`).
+
+    """
+    raw = value if raw is None else raw
+    shown = shorten(value) if value == raw else f"{shorten(raw)} (= {shorten(value)})"
+    if "\0" in value:
+        raise Refusal(f"{shown} contains a NUL byte")
+    if not value:
+        raise Refusal(f"{shorten(raw)} is empty after interpolation; set the "
+                      "variable, or leave the key out for the default")
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise Refusal(f"cannot expand {shorten(value.split('/', 1)[0], 40)}: no such "
+                      "user")
+    if not os.path.isabs(expanded):
+        raise Refusal(f"{shown} is relative (it would resolve against the current "
+                      "directory, which changes between runs); give an absolute path")
+    norm = Path(os.path.normpath(expanded))
+    if len(str(norm)) > MAX_PATH_CHARS or any(
+            len(part) > MAX_PATH_PART_CHARS for part in norm.parts):
+        raise Refusal(f"{shown} is longer than a path can be ({MAX_PATH_CHARS} "
+                      f"characters, {MAX_PATH_PART_CHARS} per name)")
+    try:
+        real = Path(os.path.realpath(norm))
+    except OSError as exc:
+        raise Refusal(f"{shown} cannot be resolved "
+                      f"({exc.strerror or type(exc).__name__})") from None
+    for candidate in (norm, real):
+        problem = unsafe_dir_reason(candidate) or run_store.ownership_problem(
+            candidate)
+        if problem:
+            target = ("" if str(candidate) == expanded
+                      else f" resolves to {shorten(str(candidate))},")
+            raise Refusal(f"{shown}{target} is {problem}; the suite writes and "
+                          "deletes there, so give it a new or empty directory (the "
+                          "suite marks it as its own)")
+    return norm
+
+
+def strings_at(value: Any, where: str) -> list[tuple[str, str]]:
+    """(dotted key, string) for every string in a nested table/list (iterative)."""
+    out: list[tuple[str, str]] = []
+    stack: list[tuple[str, Any]] = [(where, value)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}", x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, str):
+            out.append((key, v))
+    return out
+
+
+def store_base(value: str) -> Path:
+    """The folder a store path names, up to a templated part (``rank{LOCAL_RANK}``)."""
+    parts = Path(os.path.normpath(value)).parts
+    for i, part in enumerate(parts):
+        if "{" in part:
+            return Path(*parts[:i]) if i > 1 else Path("/")
+    return Path(*parts)
+
+
+def check_store_paths(extra: Mapping[str, Any], scratch: Path,
+                      test_devices: list[str]) -> None:
+    """Every absolute path in ``extra_config`` outside scratch must be the suite's.
+
+    The connector writes its store there and the contract tier's fault injection
+    deletes, truncates and bit-flips what it finds there, so such a folder must be
+    one the suite may own (:func:`tvc.store.run_store.ownership_problem`): it carries
+    the suite's marker, or is empty (adopted), or does not exist yet (the suite
+    creates and marks it, :func:`tvc.config.profile.claim_store_paths`; a templated
+    part such as ``rank{LOCAL_RANK}`` and what follows is the connector's). A device
+    node (``/dev/...``, a block or character device) or a path listed in ``[store]
+    test_devices`` is the store's device and allowed. Paths inside scratch are
+    moved per session (:mod:`tvc.store.run_store`) and need no check.
+
+    Raises:
+        Refusal: naming the ``connector.extra_config...`` key of the path.
+
+    """
+    devices = {os.path.normpath(d) for d in test_devices}
+    for where, value in strings_at(extra, "connector.extra_config"):
+        if not value.startswith("/") or "\0" in value:
+            continue
+        norm = store_base(value)
+        if norm == scratch or norm.is_relative_to(scratch) or str(norm) in devices:
+            continue
+        shown = shorten(value)
+        if len(value) > MAX_PATH_CHARS:
+            raise Refusal(f"{shown} is longer than a path can be ({MAX_PATH_CHARS} "
+                          "characters)", where)
+        try:
+            mode = norm.stat().st_mode if norm.exists() else 0
+            if stat.S_ISBLK(mode) or stat.S_ISCHR(mode):
+                continue
+            existing = norm
+            while not existing.exists():
+                existing = existing.parent
+        except OSError as exc:
+            raise Refusal(f"{shown} cannot be checked "
+                          f"({exc.strerror or type(exc).__name__})", where) from None
+        problem = unsafe_dir_reason(existing)
+        if not problem and existing == norm:
+            problem = run_store.ownership_problem(norm)
+        if problem:
+            raise Refusal(
+                f"store path {shown} outside the scratch directory is {problem}; the "
+                "suite's fault tests damage what is there: use ${SCRATCH}/..., a new "
+                "or empty folder (the suite marks it as its own) or list a device in "
+                "[store] test_devices", where)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_vllm_env(env: Mapping[str, Any]) -> None:
+    """``[vllm] env``: names of environment variables, string values, no ``TVC_*``.
+
+    ``TVC_*`` variables are the suite's own and never reach a server
+    (:mod:`tvc.procs.server_env`); a value must be a string because the environment
+    holds only strings (write ``"0"``, not ``0``).
+    """
+    for name, value in env.items():
+        where = f"vllm.env.{key_name(name)}"
+        if not _ENV_NAME.fullmatch(name):
+            raise Refusal("not an environment variable name (letters, digits and _, "
+                          "not starting with a digit)", where)
+        if name.startswith("TVC_"):
+            raise Refusal("TVC_* variables are the suite's own and are never passed "
+                          "to vLLM; set it in the shell that runs pytest", where)
+        if not isinstance(value, str):
+            raise Refusal(f"expected a string, got {type(value).__name__} "
+                          f"{shorten(value)} (quote it: {name} = "
+                          f"\"{shorten(value)}\")", where)
+        if "\0" in value:
+            raise Refusal("holds a NUL character", where)
+    runner = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if runner is not None and not re.fullmatch(r"-?\d+", runner.strip()):
+        raise Refusal(f"{shorten(runner)} is not an integer (vLLM reads "
+                      "bool(int(value)): write \"0\" or \"1\")",
+                      "vllm.env.VLLM_USE_V2_MODEL_RUNNER")
+    layout = env.get("VLLM_KV_CACHE_LAYOUT")
+    if layout is not None and layout not in ("NHD", "HND"):
+        raise Refusal(f"{shorten(layout)} is not NHD or HND",
+                      "vllm.env.VLLM_KV_CACHE_LAYOUT")
+
+
+def get_extra_config_key(extra: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    """Look up a dotted key (``"store.options.num_chunks"``) in an extra_config.
+
+    Returns:
+        ``(found, value)``.
+
+    """
+    node: Any = extra
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+

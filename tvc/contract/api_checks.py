@@ -1,0 +1,376 @@
+"""Checks of the connector methods vLLM calls but no scenario judged before.
+
+Each check takes what a rig's :class:`~tvc.contract.coverage.CoverageLog`
+recorded (every answer the connector gave vLLM) and compares it with vLLM's own
+use of it, and with what the run really did (the requests added, their block
+hashes and tokens). Each raises ``AssertionError`` with one sentence naming the
+method, what was expected, what was seen, and the vLLM source that relies on it.
+
+- :func:`check_stats`: ``get_kv_connector_stats`` answers as vLLM's scheduler
+  (``update_from_output``), ``KVOutputAggregator`` and ``KVConnectorLogging`` use
+  them.
+- :func:`check_events`: ``take_events`` / ``get_kv_connector_kv_cache_events``
+  name only blocks this run stored, with their tokens, and announce every block
+  an external hit served.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+from tvc.contract.coverage import CoverageLog, source_of
+
+
+def _stats_cls() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+    )
+
+    return KVConnectorStats
+
+
+def _where(name: str) -> str:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+    )
+
+    return source_of(getattr(KVConnectorBase_V1, name))
+
+
+def assert_stats_type(obj: Any, side: str, step: int) -> None:
+    """A ``get_kv_connector_stats`` answer is None or a ``KVConnectorStats``.
+
+    Checked the moment the connector answers (the driver's recording wrapper),
+    before vLLM uses it: the scheduler calls ``is_empty()`` / ``aggregate()`` on
+    it and reads ``.data`` (``update_from_output``, ``make_stats``), so any other
+    type fails there, far from its cause.
+
+    Raises:
+        AssertionError: another type, naming the method, side and step.
+
+    """
+    if obj is not None and not isinstance(obj, _stats_cls()):
+        raise AssertionError(
+            f"get_kv_connector_stats ({side} side, step {step}) returned "
+            f"{type(obj).__name__}, not a KVConnectorStats: vLLM calls "
+            "is_empty()/aggregate()/reduce() and reads .data on it "
+            f"({_where('get_kv_connector_stats')})")
+
+
+def check_stats(log: CoverageLog, connector_cls: type[Any], *, idle_steps: int) -> int:
+    """``get_kv_connector_stats`` answers follow vLLM's interval contract.
+
+    Every answer (both sides) must be None or a ``KVConnectorStats``
+    (the scheduler calls ``is_empty()`` and ``aggregate()`` on it,
+    ``vllm/v1/core/sched/scheduler.py`` ``update_from_output``); a non-empty one
+    must pickle (stats travel from workers to the logger process), ``reduce()``
+    to ``{str: int | float}``, be rebuilt by
+    ``connector_cls.build_kv_connector_stats(data)`` into the same type with the
+    same ``reduce()`` (``KVConnectorLogging.observe``), and ``aggregate`` with
+    such a rebuilt copy into the same type, non-empty. The answers of the last
+    step (after ``idle_steps`` steps with no transfer in flight) must add
+    nothing when aggregated with itself (only gauges may remain): stats are
+    "collected during the last interval" (base.py docstring), so counters that
+    never reset count old transfers again in every interval.
+
+    Args:
+        log: the rig's coverage log (its ``stats`` list: ``(side, step, obj)``).
+        connector_cls: the connector class (for ``build_kv_connector_stats``).
+        idle_steps: how many final steps ran with nothing in flight.
+
+    Returns:
+        the number of non-empty answers checked.
+
+    Raises:
+        AssertionError: an answer breaks one of the rules above.
+
+    """
+    src = _where("get_kv_connector_stats")
+    last_step = max((s for _side, s, _o in log.stats), default=0)
+    checked = 0
+    for side, step, obj in log.stats:
+        if obj is None:
+            continue
+        assert_stats_type(obj, side, step)
+        empty = obj.is_empty()
+        assert isinstance(empty, bool), (
+            f"{type(obj).__name__}.is_empty() returned {empty!r}, not a bool")
+        if empty:
+            continue
+        if step == last_step:
+            _assert_idle_interval(obj, connector_cls, side, step, idle_steps, src)
+        checked += 1
+        try:
+            copy = pickle.loads(pickle.dumps(obj))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure
+            raise AssertionError(
+                f"{type(obj).__name__} does not pickle ({type(exc).__name__}: "
+                f"{exc}): vLLM sends stats from the workers to the logger process"
+            ) from exc
+        figures = obj.reduce()
+        assert isinstance(figures, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(
+                v, bool) for k, v in figures.items()), (
+            f"{type(obj).__name__}.reduce() returned {figures!r}: vLLM logs it as "
+            "'KV Transfer metrics: k=v' and needs {str: int | float}")
+        rebuilt = connector_cls.build_kv_connector_stats(data=stats_payload(copy))
+        log.hit("api:KVConnectorStats.to_dict", "payload")
+        assert rebuilt is not None, (
+            f"{connector_cls.__name__}.get_kv_connector_stats reports stats but "
+            "build_kv_connector_stats(data) returns None: vLLM's logger "
+            "(KVConnectorLogging.observe) drops them with a warning, so they are "
+            f"never logged ({_where('build_kv_connector_stats')})")
+        assert type(rebuilt) is type(obj) and rebuilt.reduce() == figures, (
+            f"build_kv_connector_stats(data) gives {type(rebuilt).__name__} "
+            f"reducing to {rebuilt.reduce()}, the worker's {type(obj).__name__} "
+            f"reduces to {figures}: what vLLM logs differs from what was measured")
+        again = connector_cls.build_kv_connector_stats(data=stats_payload(copy))
+        merged = rebuilt.aggregate(again)
+        assert isinstance(merged, type(obj)) and not merged.is_empty(), (
+            f"{type(obj).__name__}.aggregate returned "
+            f"{type(merged).__name__} (empty: {getattr(merged, 'is_empty', None)})"
+            ": vLLM aggregates the workers' and the scheduler's stats with it")
+        log.hit("api:KVConnectorStats.is_empty", f"{side} step {step}")
+        log.hit("api:KVConnectorStats.reduce", ", ".join(sorted(figures))[:60])
+        log.hit("api:KVConnectorStats.aggregate", type(obj).__name__)
+        log.hit("api:KVConnectorBase_V1.build_kv_connector_stats",
+                type(rebuilt).__name__)
+    return checked
+
+
+def check_prom_metrics(connector_cls: type[Any], vllm_config: Any, stats: Any,
+                       log: CoverageLog) -> int:
+    """``build_prom_metrics`` and ``observe`` as vLLM's ``KVConnectorProm`` runs them.
+
+    vLLM's Prometheus logger builds the connector's metrics with its own metric
+    classes (``KVConnectorProm.__init__``, here bound to a private registry so
+    nothing global is touched) and feeds every interval's stats data to
+    ``observe(data, engine_idx)``.
+
+    Args:
+        connector_cls: the connector class.
+        vllm_config: the rig's config.
+        stats: a non-empty stats answer (its ``data`` is observed).
+        log: the coverage log.
+
+    Returns:
+        the number of samples the connector's metrics expose after observing.
+
+    Raises:
+        AssertionError: building or observing raised, or nothing was exported
+            after observing a non-empty interval.
+
+    """
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorProm,
+    )
+
+    registry = CollectorRegistry()
+
+    def bound(base: Any) -> type:
+        def init(self: Any, *a: Any, **kw: Any) -> None:
+            kw["registry"] = registry
+            base.__init__(self, *a, **kw)
+        return type(f"Private{base.__name__}", (base,), {"__init__": init})
+
+    prom_cls = type("PrivateKVConnectorProm", (KVConnectorProm,), {
+        "_gauge_cls": bound(Gauge), "_counter_cls": bound(Counter),
+        "_histogram_cls": bound(Histogram)})
+    src = _where("build_prom_metrics")
+    try:
+        prom = prom_cls(vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        prom.observe(stats_payload(stats), 0)
+    except Exception as exc:  # noqa: BLE001 - any failure is the connector's
+        raise AssertionError(
+            f"{connector_cls.__name__}.build_prom_metrics / observe raised "
+            f"{type(exc).__name__}: {exc} when vLLM's KVConnectorProm built its "
+            f"metrics and observed a non-empty interval's stats ({src})") from exc
+    if prom.prom_metrics is None:
+        return 0
+    samples = sum(len(m.samples) for m in registry.collect())
+    assert samples > 0, (
+        f"{connector_cls.__name__}.build_prom_metrics registered no metric that "
+        "exports a sample after observing a non-empty interval")
+    log.hit("api:KVConnectorBase_V1.build_prom_metrics", f"{samples} samples")
+    return samples
+
+
+def _assert_idle_interval(obj: Any, connector_cls: type[Any], side: str, step: int,
+                          idle_steps: int, src: str) -> None:
+    """An answer after every transfer ended adds nothing when aggregated.
+
+    A gauge (a snapshot such as cache usage) may stay; a counter or a histogram
+    observation that is still there after the idle steps was not reset:
+    aggregating the interval with itself (as vLLM's logger accumulates
+    intervals) then changes the figures.
+    """
+    try:
+        one = connector_cls.build_kv_connector_stats(data=stats_payload(obj))
+        two = connector_cls.build_kv_connector_stats(data=stats_payload(obj))
+    except Exception:  # noqa: BLE001 - the main checks report these
+        return
+    if one is None or two is None:
+        return
+    alone = one.reduce()
+    twice = one.aggregate(two).reduce()
+    grew = {k: v for k, v in twice.items() if alone.get(k) != v}
+    assert not grew, (
+        f"get_kv_connector_stats ({side} side) still reports {alone} in step "
+        f"{step}, after every transfer ended and {idle_steps} idle steps; "
+        f"aggregated with itself it becomes {grew}: the counters are never reset, "
+        "so every interval counts old transfers again (vLLM treats each answer "
+        f"as the last interval's and accumulates them, {src})")
+
+
+def stats_payload(obj: Any) -> dict[str, Any]:
+    """The dict vLLM sends to its logger: ``to_dict()`` (0.33) or ``.data`` (0.28).
+
+    (``Scheduler.make_stats``: ``kv_connector_stats.to_dict()`` in 0.33,
+    ``kv_connector_stats.data`` in 0.28), deep-copied through pickle as the
+    engine-core output is.
+    """
+    data = obj.to_dict() if hasattr(obj, "to_dict") else obj.data
+    return pickle.loads(pickle.dumps(data))
+
+
+def _reduced(obj: Any) -> str:
+    try:
+        return repr(obj.reduce())
+    except Exception:  # noqa: BLE001 - the message only
+        return repr(getattr(obj, "data", obj))
+
+
+def known_blocks(requests: Iterable[Any], block_size: int
+                 ) -> dict[Any, tuple[tuple[int, ...], Any]]:
+    """Every full block the run's requests hashed, as KV events name them.
+
+    Args:
+        requests: the driver's added requests.
+        block_size: B in tokens.
+
+    Returns:
+        external hash (``maybe_convert_block_hash``) -> (the block's token ids,
+        the external hash of the block before it or None).
+
+    """
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out: dict[Any, tuple[tuple[int, ...], Any]] = {}
+    for r in requests:
+        parent = None
+        tokens = list(r.all_token_ids)
+        for i, h in enumerate(r.block_hashes):
+            ext = maybe_convert_block_hash(h)
+            out.setdefault(ext, (tuple(tokens[i * block_size:(i + 1) * block_size]),
+                                 parent))
+            parent = ext
+    return out
+
+
+def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
+                 served: dict[str, int]) -> dict[str, int]:
+    """KV cache events name only blocks this run stored, and every block served.
+
+    Rules (``vllm/distributed/kv_events.py``: ``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``): every event is one of those; a
+    ``BlockStored`` names hashes of blocks a request of this run computed; its
+    ``token_ids`` (when given) are exactly those blocks' tokens and its
+    ``parent_block_hash`` the block before the first; ``block_size`` is B (or 0
+    for a placeholder without tokens); a ``BlockRemoved`` names only hashes
+    stored before; every block an external hit served (``served``: request id ->
+    matched tokens) was announced stored before and not removed since.
+
+    Args:
+        log: the rig's coverage log (its ``events``: ``(side, step, events)``).
+        requests: the driver's added requests.
+        block_size: B in tokens.
+        served: request id -> external matched tokens of requests that loaded.
+
+    Returns:
+        counts: ``stored`` (distinct hashes announced), ``removed``, ``events``.
+
+    Raises:
+        AssertionError: an event breaks a rule above.
+
+    """
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+    )
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    reqs = list(requests)
+    blocks = known_blocks(reqs, block_size)
+    src = _where("take_events")
+    live: set[Any] = set()
+    ever: set[Any] = set()
+    removed = n = 0
+    announced_at: dict[Any, int] = {}
+    for side, step, events in log.events:
+        for ev in events:
+            n += 1
+            where = f"{side} side, step {step}"
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    assert h in blocks, (
+                        f"KV cache event BlockStored ({where}) names block hash "
+                        f"{_short(h)}, which no request of this run computed: a "
+                        "consumer (KV-aware router) would route to KV that does "
+                        f"not exist ({src})")
+                toks = tuple(t for h in ev.block_hashes for t in blocks[h][0])
+                if ev.token_ids:
+                    assert tuple(ev.token_ids) == toks, (
+                        f"BlockStored ({where}) for {len(ev.block_hashes)} block(s) "
+                        f"carries {len(ev.token_ids)} token ids that are not those "
+                        f"blocks' tokens (first differing of {len(toks)})")
+                    assert ev.block_size == block_size, (
+                        f"BlockStored ({where}) says block_size {ev.block_size}, "
+                        f"the engine's is {block_size}")
+                if ev.parent_block_hash is not None and ev.block_hashes:
+                    want = blocks[ev.block_hashes[0]][1]
+                    assert ev.parent_block_hash == want, (
+                        f"BlockStored ({where}) names parent "
+                        f"{_short(ev.parent_block_hash)}, the block before "
+                        f"{_short(ev.block_hashes[0])} is {_short(want)}")
+                for h in ev.block_hashes:
+                    live.add(h)
+                    ever.add(h)
+                    announced_at.setdefault(h, step)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    assert h in ever, (
+                        f"BlockRemoved ({where}) names {_short(h)}, never "
+                        "announced as stored")
+                    live.discard(h)
+                    removed += 1
+            elif isinstance(ev, AllBlocksCleared):
+                live.clear()
+            else:
+                raise AssertionError(
+                    f"take_events ({where}) yielded {type(ev).__name__}: vLLM "
+                    "publishes only BlockStored / BlockRemoved / AllBlocksCleared "
+                    f"in its KVEventBatch ({src})")
+    by_id = {r.request_id: r for r in reqs}
+    for rid, tokens in served.items():
+        r = by_id.get(rid)
+        if r is None or tokens <= 0:
+            continue
+        for h in r.block_hashes[:tokens // block_size]:
+            ext = maybe_convert_block_hash(h)
+            assert ext in ever, (
+                f"request {rid} was served {tokens} tokens by an external hit, but "
+                f"its block {_short(ext)} was never announced by a BlockStored "
+                "event: consumers of the events never learn the connector holds it")
+    if n:
+        log.hit("api:KVConnectorBase_V1.take_events", f"{n} events checked")
+    return {"stored": len(ever), "removed": removed, "events": n}
+
+
+def _short(h: Any) -> str:
+    if isinstance(h, bytes):
+        return h[:6].hex() + "…"
+    return str(h)

@@ -1,0 +1,769 @@
+"""Fault injection around any KV connector, for the contract tier and a real server.
+
+:class:`FaultInjectingConnector` is a ``KVConnectorBase_V1`` that vLLM loads by
+module path (``kv_connector = "FaultInjectingConnector"``,
+``kv_connector_module_path = "tvc.contract.faults"``). It builds the connector under
+test
+through vLLM's own ``KVConnectorFactory`` from
+``kv_connector_extra_config["tvc_fault"]["inner"]`` (an inner kv_transfer_config
+dict), delegates every method to it, and injects ONE kind of fault into every
+``every``-th eligible event:
+
+``fail_load``
+    a load (a request admitted with ``num_external_tokens > 0``): after the
+    inner connector loads, one block of the loaded range (chosen by ``seed``) is
+    overwritten with the value 126 (never produced by the contract tier's KV
+    pattern, which spans [-125, 125]) and reported through
+    ``get_block_ids_with_load_errors()``, in the forward pass that loads it
+    (synchronous) or in the pass whose ``get_finished()`` returns the request in
+    ``finished_recving`` (asynchronous), as ``KVConnectorBase_V1`` documents.
+    vLLM then recomputes from that block (``kv_load_failure_policy = "recompute"``)
+    or fails the request (``"fail"``).
+``corrupt_load``
+    the same overwrite, NOT reported: silent corruption (a negative control: the
+    output comparison of a test must catch it).
+``misreport_load``
+    the same overwrite, but the block reported through
+    ``get_block_ids_with_load_errors()`` is the one after the overwritten block
+    (none when the loaded range is one block): a connector that reports its failed
+    loads wrongly. vLLM recomputes from the reported block on and keeps the
+    overwritten one (a negative control for the e2e load-failure test: under
+    ``recompute`` the output must differ from the baseline).
+``lose_entry``
+    a lookup the inner connector answers with a hit is answered ``(0, False)``,
+    as though the entry were evicted before the lookup; vLLM computes the prompt.
+``fail_save``
+    a finished request's save counts as failed: its blocks not already covered by
+    an earlier successful save become invisible, i.e. later lookups are capped
+    before the first such block (the behaviour the contract tier demands of a
+    connector whose save fails: "a failed save is never visible to a later
+    lookup"). The inner connector still writes; only what vLLM is told changes.
+
+Events are counted per role in arrival order; event ``i`` (0-based) is faulted iff
+``(i + seed) % every == every - 1`` (``every = 1``: all). A decision about a request
+is made once and kept (lookups may be repeated: ``get_num_new_matched_tokens`` is
+documented side-effect free).
+
+:func:`wrap_kv_transfer_config` turns a kv_transfer_config dict into the wrapped one.
+
+Store-level fault injectors (for the contract tier's fault scenarios, which act on
+the connector's store between lookup and load) are :class:`FileStoreInjector` and
+:class:`ObjectStoreInjector`; :func:`fault_injector_for` picks one from the profile
+(``connector.fault_injector``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import stat
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from tvc.store import run_store
+
+FAULT_KEY = "tvc_fault"  # kv_connector_extra_config key of the wrapper's settings
+MODES = ("fail_load", "corrupt_load", "misreport_load", "lose_entry", "fail_save")
+_LOAD_MODES = ("fail_load", "corrupt_load", "misreport_load")  # overwrite a block
+# Written over a faulted block: the contract tier's KV pattern
+# (tvc.contract.worker.pattern_values) only produces integers in [-125, 125].
+SCRIBBLE_VALUE = 126
+# KVTransferConfig fields that describe the connector class itself; every other
+# field (kv_role, engine_id, kv_load_failure_policy, kv_rank, ...) is read by vLLM
+# from the outer config and is copied there by wrap_kv_transfer_config.
+_CONNECTOR_FIELDS = ("kv_connector", "kv_connector_module_path",
+                     "kv_connector_extra_config")
+
+
+class FaultConfigError(ValueError):
+    """``kv_connector_extra_config.tvc_fault`` is missing or malformed."""
+
+
+def wrap_kv_transfer_config(cfg: Mapping[str, Any], mode: str, every: int = 1,
+                            seed: int = 0) -> dict[str, Any]:
+    """The kv_transfer_config that runs ``cfg``'s connector inside the wrapper.
+
+    Args:
+        cfg: the connector's kv_transfer_config (as ``Profile.kv_transfer_config()``
+            returns it); not modified.
+        mode: one of :data:`MODES`.
+        every: fault every N-th eligible event (>= 1).
+        seed: phase of the faulted events and choice of the faulted block.
+
+    Returns:
+        a dict with ``kv_connector = "FaultInjectingConnector"``,
+        ``kv_connector_module_path = "tvc.contract.faults"``, every non-connector field
+        of
+        ``cfg`` (``kv_role``, ``kv_load_failure_policy``, ``engine_id``, ...) and
+        ``kv_connector_extra_config = {"tvc_fault": {"inner": cfg, "mode": mode,
+        "every": every, "seed": seed}}``.
+
+    Raises:
+        FaultConfigError: unknown mode, ``every < 1``, or ``cfg`` without
+            ``kv_connector``.
+
+    """
+    _check_settings({"inner": cfg, "mode": mode, "every": every, "seed": seed})
+    inner = copy.deepcopy(dict(cfg))
+    outer = {k: copy.deepcopy(v) for k, v in inner.items()
+             if k not in _CONNECTOR_FIELDS}
+    outer.update(kv_connector="FaultInjectingConnector",
+                 kv_connector_module_path="tvc.contract.faults",
+                 kv_connector_extra_config={FAULT_KEY: {
+                     "inner": inner, "mode": mode, "every": int(every),
+                     "seed": int(seed)}})
+    return outer
+
+
+def _check_settings(s: Any) -> dict[str, Any]:
+    where = f"kv_connector_extra_config.{FAULT_KEY}"
+    if not isinstance(s, Mapping):
+        raise FaultConfigError(f"{where} must be a table with inner, mode, every, "
+                               f"seed; got {s!r}")
+    mode = s.get("mode")
+    if mode not in MODES:
+        raise FaultConfigError(f"{where}.mode = {mode!r}: expected one of {MODES}")
+    every = s.get("every", 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise FaultConfigError(f"{where}.every = {every!r}: expected an integer >= 1")
+    seed = s.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise FaultConfigError(f"{where}.seed = {seed!r}: expected an integer")
+    inner = s.get("inner")
+    if not isinstance(inner, Mapping) or not inner.get("kv_connector"):
+        raise FaultConfigError(f"{where}.inner must be the wrapped connector's "
+                               f"kv_transfer_config with kv_connector; got {inner!r}")
+    if inner.get("kv_connector") == "FaultInjectingConnector":
+        raise FaultConfigError(f"{where}.inner wraps FaultInjectingConnector in "
+                               "itself; wrap the connector under test once")
+    return {"inner": dict(inner), "mode": mode, "every": every, "seed": seed}
+
+
+def _inner_transfer_config(outer: Any) -> KVTransferConfig:
+    """The inner ``KVTransferConfig`` from the wrapper's outer one."""
+    s = _check_settings(outer.kv_connector_extra_config.get(FAULT_KEY))
+    inner = dict(s["inner"])
+    inner.setdefault("engine_id", outer.engine_id)
+    for k in ("kv_role", "kv_load_failure_policy"):
+        inner.setdefault(k, getattr(outer, k))
+    return KVTransferConfig(**inner)
+
+
+class _Counter:
+    """Every-N-th selection with a seeded phase; one decision per key."""
+
+    def __init__(self, every: int, seed: int) -> None:
+        self.every, self.seed, self.count = every, seed, 0
+        self.decided: dict[Any, bool] = {}
+
+    def hit(self, key: Any) -> bool:
+        if key not in self.decided:
+            self.decided[key] = (self.count + self.seed) % self.every == \
+                self.every - 1
+            self.count += 1
+        return self.decided[key]
+
+
+@dataclass
+class FaultMetadata(KVConnectorMetadata):
+    """Scheduler -> worker metadata: the inner connector's plus this step's faults.
+
+    Attributes:
+        inner: the inner connector's metadata for this step.
+        faults: request id -> block ids to overwrite (and, for ``fail_load``,
+            report) once that request's load has landed.
+        reports: request id -> block ids to report instead of ``faults[id]``
+            (``misreport_load``).
+        async_reqs: request ids among ``faults`` whose load is asynchronous
+            (overwritten and reported when ``get_finished`` returns them).
+        report: whether the faulted blocks are reported (``fail_load``).
+
+    """
+
+    inner: KVConnectorMetadata | None
+    faults: dict[str, list[int]] = field(default_factory=dict)
+    async_reqs: set[str] = field(default_factory=set)
+    report: bool = True
+    reports: dict[str, list[int]] = field(default_factory=dict)
+
+
+class FaultInjectingConnector(KVConnectorBase_V1):
+    """Wraps the connector under test and injects one kind of fault (module doc).
+
+    Attributes:
+        inner: the wrapped connector, built by ``KVConnectorFactory``.
+        mode, every, seed: from ``kv_connector_extra_config.tvc_fault``.
+        injected: log of injected faults, ``(event, request id, detail)``; read by
+            tests that drive this connector in-process.
+
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)
+        outer = vllm_config.kv_transfer_config
+        s = _check_settings(outer.kv_connector_extra_config.get(FAULT_KEY))
+        self.mode, self.every, self.seed = s["mode"], s["every"], s["seed"]
+        inner_vc = copy.copy(vllm_config)
+        inner_vc.kv_transfer_config = _inner_transfer_config(outer)
+        self.inner = KVConnectorFactory.create_connector(inner_vc, role,
+                                                         kv_cache_config)
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self._block_size = vllm_config.cache_config.block_size
+        self._counter = _Counter(self.every, self.seed)
+        self.injected: list[tuple[str, str, Any]] = []
+        # scheduler side
+        self._local: dict[str, int] = {}
+        self._async: dict[str, bool] = {}
+        self._pending: dict[str, list[int]] = {}
+        self._misreport: dict[str, list[int]] = {}
+        self._pending_async: set[str] = set()
+        self._emitted: set[Any] = set()
+        self._ok_hashes: set[Any] = set()
+        self._failed_hashes: set[Any] = set()
+        # worker side
+        self._kv: list[Any] = []
+        self._step_faults: dict[str, list[int]] = {}
+        self._await_recv: dict[str, list[int]] = {}
+        self._step_reports: dict[str, list[int]] = {}
+        self._report_now: set[int] = set()
+        self._report = self.mode in ("fail_load", "misreport_load")
+        self._scribbled = False
+
+    # ------------------------------------------------------------ properties
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:  # noqa: D102
+        return self.inner.supports_divergent_local_hybrid_hits
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:  # noqa: D102
+        return self.inner.prefer_cross_layer_blocks
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # noqa: D102
+        return self.inner.requires_kv_delivery
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The inner connector class's required KV cache layout."""
+        inner = _inner_transfer_config(vllm_config.kv_transfer_config)
+        inner_cls = KVConnectorFactory.get_connector_class(inner)
+        vc = copy.copy(vllm_config)
+        vc.kv_transfer_config = inner
+        return inner_cls.get_required_kvcache_layout(vc)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Whether the inner connector class needs PIECEWISE CUDA graphs."""
+        inner = _check_settings(extra_config.get(FAULT_KEY))["inner"]
+        inner_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**inner))
+        return inner_cls.requires_piecewise_for_cudagraph(
+            inner.get("kv_connector_extra_config") or {})
+
+    # --------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # noqa: D102
+        self._kv = list(kv_caches.values())
+        self.inner.register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any,  # noqa: D102
+                                       attn_backend: Any) -> None:
+        self._kv = [kv_cache]
+        self.inner.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:  # noqa: D102
+        self.inner.set_host_xfer_buffer_ops(copy_operation)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:  # noqa: D102
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if isinstance(meta, FaultMetadata):
+            self._step_faults = {r: b for r, b in meta.faults.items()
+                                 if r not in meta.async_reqs}
+            for r in meta.async_reqs:
+                self._await_recv[r] = meta.faults[r]
+            self._step_reports.update(meta.reports)
+            meta = meta.inner
+        self._scribbled = False
+        self.inner.bind_connector_metadata(meta)
+
+    def clear_connector_metadata(self) -> None:  # noqa: D102
+        self.inner.clear_connector_metadata()
+        super().clear_connector_metadata()
+        self._step_faults = {}
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:  # noqa: D102
+        meta = kv_connector_metadata
+        self.inner.handle_preemptions(
+            meta.inner if isinstance(meta, FaultMetadata) else meta)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:  # noqa: D102
+        self.inner.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait for the inner load, then overwrite this step's faulted blocks."""
+        self.inner.wait_for_layer_load(layer_name)
+        if self._step_faults and not self._scribbled:
+            self._scribbled = True
+            for rid, blocks in self._step_faults.items():
+                self._scribble(blocks)
+                self.injected.append((self.mode, rid, list(blocks)))
+                if self._report:
+                    self._report_now.update(self._step_reports.pop(rid, blocks))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any,  # noqa: D102
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:  # noqa: D102
+        self.inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """The inner answer; a faulted async load lands here and is reported."""
+        sending, recving = self.inner.get_finished(finished_req_ids)
+        for rid in recving or ():
+            blocks = self._await_recv.pop(rid, None)
+            if blocks:
+                self._scribble(blocks)
+                self.injected.append((self.mode, rid, list(blocks)))
+                if self._report:
+                    self._report_now.update(self._step_reports.pop(rid, blocks))
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The inner connector's failed blocks plus this pass's injected ones."""
+        out = set(self.inner.get_block_ids_with_load_errors() or ())
+        out |= self._report_now
+        self._report_now = set()
+        return out
+
+    def _scribble(self, blocks: Iterable[int]) -> None:
+        """Overwrite ``blocks`` in every registered KV tensor with SCRIBBLE_VALUE."""
+        for t in self._kv:
+            dim = _block_dim(t, self._num_blocks)
+            for b in blocks:
+                t.select(dim, int(b)).fill_(SCRIBBLE_VALUE)
+
+    def shutdown(self) -> None:  # noqa: D102
+        self.inner.shutdown()
+
+    def get_kv_connector_stats(self) -> Any:
+        """None: the wrapper's class cannot rebuild the inner connector's stats.
+
+        ``build_kv_connector_stats`` is a classmethod called without a config in
+        the front-end process, so the inner class is unknown there.
+        """
+        return None
+
+    def get_kv_connector_kv_cache_events(self) -> Any:  # noqa: D102
+        return self.inner.get_kv_connector_kv_cache_events()
+
+    def get_handshake_metadata(self) -> Any:  # noqa: D102
+        return self.inner.get_handshake_metadata()
+
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:  # noqa: D102
+        self.inner.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any  # noqa: D102
+                                             ) -> None:
+        self.inner.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def build_connector_worker_meta(self) -> Any:  # noqa: D102
+        return self.inner.build_connector_worker_meta()
+
+    def get_finished_count(self) -> int | None:  # noqa: D102
+        return self.inner.get_finished_count()
+
+    # ------------------------------------------------------ scheduler side
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:  # noqa: D102
+        self.inner.bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Any) -> None:  # noqa: D102
+        self.inner.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """The inner answer, or a miss (``lose_entry``), or capped (``fail_save``)."""
+        n, is_async = self.inner.get_num_new_matched_tokens(request,
+                                                            num_computed_tokens)
+        rid = request.request_id
+        self._local[rid] = num_computed_tokens
+        if not n:
+            self._async[rid] = bool(is_async)
+            return n, is_async
+        if self.mode == "lose_entry" and self._counter.hit(("lookup", rid)):
+            self.injected.append(("lose_entry", rid, int(n)))
+            n, is_async = 0, False
+        elif self.mode == "fail_save" and self._failed_hashes:
+            cap = _first_in(request.block_hashes, self._failed_hashes)
+            if cap is not None and num_computed_tokens + n > cap * self._block_size:
+                n = max(0, cap * self._block_size - num_computed_tokens)
+                is_async = bool(is_async) and n > 0
+        self._async[rid] = bool(is_async)
+        return n, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """Delegate; pick the block of a faulted load (the three load modes)."""
+        self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        rid = request.request_id
+        key = ("load", rid, request.num_preemptions)
+        if (self.mode not in _LOAD_MODES or num_external_tokens <= 0
+                or key in self._emitted or not self._counter.hit(key)):
+            return
+        self._emitted.add(key)
+        self.injected.append((self.mode, rid, "planned"))
+        ids = blocks.get_block_ids()[0]
+        b = self._block_size
+        local = self._local.get(rid, 0)
+        first, last = local // b, (local + num_external_tokens - 1) // b
+        pick = first + int(hashlib.sha256(f"{self.seed}-{rid}".encode()).hexdigest(),
+                           16) % (last - first + 1)
+        if self.mode == "misreport_load":
+            # Report the block AFTER the overwritten one: vLLM recomputes from the
+            # first reported block on, so the overwritten block stays wrong (a
+            # block before it would make vLLM repair it). One block: report none.
+            pick = max(first, min(pick, last - 1))
+            self._misreport[rid] = [ids[pick + 1]] if pick < last else []
+        self._pending[rid] = [ids[pick]]
+        if self._async.get(rid):
+            self._pending_async.add(rid)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """The inner metadata wrapped with this step's faults."""
+        inner = self.inner.build_connector_meta(scheduler_output)
+        meta = FaultMetadata(inner=inner, faults=self._pending,
+                             async_reqs=self._pending_async & set(self._pending),
+                             report=self._report, reports=self._misreport)
+        self._pending, self._pending_async, self._misreport = {}, set(), {}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:  # noqa: D102
+        self.inner.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Delegate (to ``request_finished_all_groups`` for an HMA connector)."""
+        if isinstance(self.inner, SupportsHMA):
+            ret = self.inner.request_finished_all_groups(request, (block_ids,))
+        else:
+            ret = self.inner.request_finished(request, block_ids)
+        self._after_finish(request)
+        return ret
+
+    def _after_finish(self, request: Any) -> None:
+        rid = request.request_id
+        for d in (self._local, self._async):
+            d.pop(rid, None)
+        if self.mode != "fail_save":
+            return
+        hashes = list(getattr(request, "block_hashes", ()) or ())
+        if self._counter.hit(("save", rid)):
+            new = [h for h in hashes if h not in self._ok_hashes]
+            self._failed_hashes.update(new)
+            self.injected.append(("fail_save", rid, len(new)))
+        else:
+            self._ok_hashes.update(hashes)
+            self._failed_hashes.difference_update(hashes)
+
+    def take_events(self) -> Iterable[Any]:  # noqa: D102
+        return self.inner.take_events()
+
+    def has_pending_push_work(self) -> bool:  # noqa: D102
+        return self.inner.has_pending_push_work()
+
+    def reset_cache(self) -> bool | None:  # noqa: D102
+        return self.inner.reset_cache()
+
+
+def _first_in(hashes: Iterable[Any], wanted: set[Any]) -> int | None:
+    """Index of the first element of ``hashes`` in ``wanted`` (None if none)."""
+    for i, h in enumerate(hashes):
+        if h in wanted:
+            return i
+    return None
+
+
+def _block_dim(t: Any, num_blocks: int) -> int:
+    """The dimension of a KV tensor that indexes blocks (size ``num_blocks``).
+
+    A leading dimension of 2 (K/V) is skipped when another dimension also matches.
+    """
+    dims = [i for i, s in enumerate(t.shape) if s == num_blocks]
+    if not dims:
+        raise AssertionError(f"no dimension of a KV tensor of shape {tuple(t.shape)} "
+                             f"has the pool's {num_blocks} blocks")
+    if len(dims) > 1 and dims[0] == 0 and t.shape[0] == 2:
+        return dims[1]
+    return dims[0]
+
+
+# ------------------------------------------------------- store-level fault injectors
+class FileStoreInjector:
+    """Damages a file-based store (files under one directory), between steps.
+
+    Entries are the files under ``root``; ``entries_since(mark())`` are the files
+    a step wrote. ``lose`` deletes them, ``corrupt`` flips bits in the last
+    quarter of each (the payload; a header at the start still parses), ``tear``
+    truncates each to half its size, and ``failing_saves`` makes every file write
+    of the worker's save calls fail: the process's file-size limit
+    (``RLIMIT_FSIZE``) is lowered to 16 bytes around ``save_kv_layer`` /
+    ``wait_for_save`` (CPython ignores ``SIGXFSZ``, so the write returns
+    ``EFBIG``; this works for root too).
+
+    It touches only what it saw the connector write: ``root`` must lie in a folder
+    holding the suite's ownership marker (:func:`tvc.store.run_store.owned_ancestor`),
+    and ``lose``/``corrupt``/``tear`` act only on files ``entries_since`` returned
+    and that are still the same file (device and inode) as then: a file replaced
+    meanwhile (by another process, or by a symlink) is left as it is.
+
+    Attributes:
+        kinds: the faults this injector makes.
+        between_lookup_and_load: it can act after the lookup, before the load.
+
+    """
+
+    kinds = frozenset({"lose", "corrupt", "tear", "fail_save"})
+    between_lookup_and_load = True
+    FAILED_WRITE_LIMIT = 16  # bytes a failing save may still write
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if run_store.owned_ancestor(self.root) is None:
+            raise FaultConfigError(
+                f"{self.root} is in no folder the suite owns (no "
+                f"{run_store.OWNER_MARKER} marker at or above it); the store-fault "
+                "tests damage only the suite's own folders")
+        self._seen: dict[Path, tuple[int, int]] = {}
+
+    def mark(self) -> dict[Path, tuple[int, int]]:
+        """Every regular file under the root with (mtime_ns, size); no symlinks."""
+        out = {}
+        for p in self.root.rglob("*") if self.root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    out[p] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def entries_since(self, mark: dict[Path, tuple[int, int]]) -> list[Path]:
+        """Files written or changed since ``mark`` (remembered as seen written)."""
+        now = self.mark()
+        new = sorted(p for p, v in now.items() if mark.get(p) != v)
+        for p in new:
+            with contextlib.suppress(OSError):
+                self._seen[p] = self._identity(p)
+        return new
+
+    @staticmethod
+    def _identity(p: Path) -> tuple[int, int]:
+        st = p.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            raise FileNotFoundError(p)
+        return (st.st_dev, st.st_ino)
+
+    def _mine(self, entries: Iterable[Path]) -> list[Path]:
+        """The entries this injector saw written that are still that same file."""
+        out = []
+        for p in entries:
+            p = Path(p)
+            try:
+                same = self._seen.get(p) == self._identity(p)
+            except OSError:
+                same = False
+            if same and p.is_relative_to(self.root):
+                out.append(p)
+        return out
+
+    def lose(self, entries: Iterable[Path]) -> None:
+        """Delete the entries' files."""
+        for p in self._mine(entries):
+            p.unlink(missing_ok=True)
+
+    def corrupt(self, entries: Iterable[Path]) -> None:
+        """Flip one bit in 8 bytes spread over the last quarter of each file."""
+        for p in self._mine(entries):
+            data = bytearray(p.read_bytes())
+            lo = len(data) * 3 // 4
+            for i in range(8):
+                j = lo + (len(data) - lo) * i // 8
+                if j < len(data):
+                    data[j] ^= 0x40
+            p.write_bytes(bytes(data))
+
+    def tear(self, entries: Iterable[Path]) -> None:
+        """Truncate each file to half its size (a torn write)."""
+        for p in self._mine(entries):
+            with open(p, "r+b") as f:
+                f.truncate(p.stat().st_size // 2)
+
+    @contextlib.contextmanager
+    def failing_saves(self, worker: Any) -> Iterator[None]:
+        """Every save of ``worker`` (a ConnectorWorker) fails while inside."""
+        import resource
+
+        c = worker.connector
+        names = ("save_kv_layer", "wait_for_save")
+        saved = {n: getattr(c, n) for n in names}
+
+        def failing(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*a: Any, **kw: Any) -> Any:
+                old = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE,
+                                   (self.FAILED_WRITE_LIMIT, old[1]))
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            return call
+
+        for n in names:
+            setattr(c, n, failing(saved[n]))
+        try:
+            yield
+        finally:
+            for n in names:
+                setattr(c, n, saved[n])
+
+
+class ObjectStoreInjector:
+    """Damages a store that is a Python object of the scheduler-side connector.
+
+    The store index is found by walking the connector's attributes (4 levels) for
+    the dict that grew when a prompt was stored, preferring one whose owner has a
+    ``remove(key)`` method (a cache policy: removing through it keeps its own books
+    consistent), then the one that grew the most; ``mark()`` records every
+    reachable dict's keys and ``entries_since`` returns that dict's new keys.
+    ``lose`` removes the entries, ``tear`` the later half (insertion order).
+    The scheduler plans a load in the same ``schedule()`` call as its lookup, so
+    this injector acts before the lookup (``between_lookup_and_load = False``):
+    the store evicted the entry and the connector must answer a shorter match.
+    """
+
+    kinds = frozenset({"lose", "tear"})
+    between_lookup_and_load = False
+    MAX_DEPTH = 4
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def _mappings(self) -> list[tuple[Any, dict[Any, Any]]]:
+        """(owner, dict) for every dict attribute reachable from the connector."""
+        seen: set[int] = set()
+        out: list[tuple[Any, dict[Any, Any]]] = []
+
+        def walk(obj: Any, depth: int) -> None:
+            if id(obj) in seen or depth > self.MAX_DEPTH:
+                return
+            seen.add(id(obj))
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict) or type(obj).__module__.startswith(
+                    ("torch", "builtins")):
+                return
+            for v in attrs.values():
+                if isinstance(v, dict):
+                    out.append((obj, v))
+                else:
+                    walk(v, depth + 1)
+
+        walk(self.connector, 0)
+        return out
+
+    def mark(self) -> dict[int, set[Any]]:
+        """Every reachable dict's keys."""
+        return {id(m): set(m) for _, m in self._mappings()}
+
+    def entries_since(self, mark: dict[int, set[Any]]
+                      ) -> list[tuple[Callable[[Any], Any], Any]]:
+        """(remover, key) for the new keys of the dict that grew the most."""
+        grown = []
+        for owner, m in self._mappings():
+            before = mark.get(id(m), set())
+            new = [k for k in list(m) if k not in before]
+            remove = getattr(owner, "remove", None)
+            if new:
+                grown.append((callable(remove), len(new), owner, m, new))
+        if not grown:
+            return []
+        owned, _, owner, m, new = max(grown, key=lambda g: (g[0], g[1]))
+        rm = owner.remove if owned else (lambda k, _m=m: _m.pop(k, None))
+        return [(rm, k) for k in new]
+
+    def lose(self, entries: Sequence[tuple[Callable[[Any], Any], Any]]) -> None:
+        """Remove every entry."""
+        for remove, k in entries:
+            remove(k)
+
+    def tear(self, entries: Sequence[tuple[Callable[[Any], Any], Any]]) -> None:
+        """Remove the later half of the entries (insertion order)."""
+        self.lose(list(entries)[len(entries) // 2:])
+
+
+def fault_injector_for(profile: Any, rig: Any) -> Any:
+    """The store fault injector for a rig: the profile's hook, else a built-in.
+
+    ``connector.fault_injector = "module:function"`` is called with the rig and
+    returns an injector (an object with ``kinds``, ``between_lookup_and_load``,
+    ``mark``, ``entries_since`` and one method per kind). Empty: a
+    :class:`FileStoreInjector` on the first directory path of the connector's
+    ``kv_connector_extra_config`` (after the suite moved it to this session's
+    store folder), else an :class:`ObjectStoreInjector` on the scheduler-side
+    connector.
+
+    Raises:
+        FaultConfigError: the hook cannot be imported or called.
+
+    """
+    import pkgutil
+
+    spec = ""
+    try:
+        spec = profile["connector"]["fault_injector"]
+    except KeyError:
+        pass
+    if spec:
+        try:
+            return pkgutil.resolve_name(spec)(rig)
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            raise FaultConfigError(
+                f"connector.fault_injector = {spec!r}: {type(exc).__name__}: {exc}"
+            ) from None
+    extra = rig.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    for v in _strings(extra):
+        if os.path.isabs(v) and (os.path.isdir(v) or not os.path.exists(v)) and (
+                Path(v).parent.is_dir()):
+            if run_store.owned_ancestor(Path(v)) is None:
+                raise FaultConfigError(
+                    f"kv_connector_extra_config path {v!r} is in no folder the suite "
+                    f"owns (no {run_store.OWNER_MARKER} marker at or above it): the "
+                    "store-fault tests damage only what the suite's connector wrote "
+                    "inside the suite's own folders")
+            Path(v).mkdir(parents=True, exist_ok=True)
+            return FileStoreInjector(v)
+    conn = rig.scheduler.connector
+    return ObjectStoreInjector(getattr(conn, "inner", conn))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str) and value:
+        yield value

@@ -1,0 +1,1 @@
+"""The e2e tier's plan and its two-pass acceptance steps."""

@@ -1,0 +1,618 @@
+"""The operators' acceptance test as reusable steps: two passes of one prompt.
+
+Story: pass 1 computes the prompt (and the connector stores its KV); ``POST
+/reset_prefix_cache`` empties vLLM's own GPU prefix cache, so that a hit in pass 2 can
+only come from the connector; pass 2 sends the same prompt. Each pass is one streamed,
+greedy request (TTFT measured on the way) with top-k logprobs; ``/metrics`` is read
+before and after each pass and the counters' increases are kept.
+
+One helper per invariant (``check_*``); each raises ``AssertionError`` with what was
+expected, what was seen and what to do. The e2e tier calls them in order; the negative
+control (a connector that corrupts the KV it loads) must trip
+:func:`check_same_output_tokens` or :func:`check_logprobs_agree`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tvc.config.profile import search_log
+from tvc.procs.client import (
+    EXTERNAL_HITS_METRIC,
+    EXTERNAL_SOURCE_LABEL,
+    PREFIX_HITS_METRIC,
+    PROMPT_TOKENS_BY_SOURCE_METRIC,
+    REQUEST_SUCCESS_METRIC,
+    Completion,
+    MetricsSnapshot,
+)
+from tvc.procs.polling import PollTimeout, wait_until
+from tvc.procs.vllm_server import VllmServer
+
+MAX_TOKENS = 16  # generated tokens per pass (the operators' smoke uses 16)
+TOP_K = 5  # top-k logprobs compared per generated position
+# Pass 2 prefills only the tokens after the hit, in a smaller batch than pass 1, so
+# kernels may round differently; on a float16 model the logprobs of the same tokens
+# stay within ~1e-2 nats, a corrupted KV moves them by O(1) nats.
+LOGPROB_ATOL = 0.1  # nats, absolute, per token present in both passes' top-k
+# Two candidates whose pass-1 logprobs are this close are a tie for greedy decoding:
+# float16 logits can make them equal to the last bit (0.0000 nats was seen on the
+# GPU host with the tiny model), so either may win when pass 2 rounds differently.
+# After such a tie-break the two outputs condition on different histories, so tokens
+# and logprobs are compared up to and including the tie, not past it.
+TIE_NATS = 0.01
+PROMPT_BLOCKS_MIN = 4  # the acceptance prompt spans at least 4 KV blocks
+HIT_LOG_WAIT_S = 5.0  # the engine process may write its hit line a moment later
+LOG_POLL_S = 0.25  # period of re-reading a server log for an awaited line, seconds
+ACCEPTANCE_PROMPT_TOKENS = 600  # the operators' prompt: 600 tokens (37.5 blocks of 16)
+SEED_ENV = "TVC_SEED"
+# outside a suite run (no config to hold it) one drawn seed serves the whole process
+_SEED: list[tuple[int, str]] = []  # (seed, where it came from), set on first use
+
+COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "external_hits": (EXTERNAL_HITS_METRIC, {}),
+    "prefix_hits": (PREFIX_HITS_METRIC, {}),
+    "external_source_tokens": (PROMPT_TOKENS_BY_SOURCE_METRIC,
+                               {"source": EXTERNAL_SOURCE_LABEL}),
+}
+
+
+@dataclass
+class PassResult:
+    """One pass: the output, the counters' increases and the log it caused.
+
+    Attributes:
+        completion: the streamed completion (``ttft_s`` set).
+        deltas: counter name (keys of :data:`COUNTERS`) -> increase during the pass,
+            in tokens.
+        log: server log written during the pass.
+        metrics_after: the snapshot taken after the pass.
+
+    """
+
+    completion: Completion
+    deltas: dict[str, float]
+    log: str
+    metrics_after: MetricsSnapshot
+
+
+@dataclass
+class TwoPassResult:
+    """Both passes of one prompt.
+
+    Attributes:
+        prompt: the prompt token ids.
+        block_size: the server's KV block size B in tokens.
+        pass1: the computing pass.
+        pass2: the pass after the prefix-cache reset (and restart, if asked).
+        restarted: whether the server was restarted between the passes.
+
+    """
+
+    prompt: list[int]
+    block_size: int
+    pass1: PassResult
+    pass2: PassResult
+    restarted: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def properties(self, prefix: str = "") -> dict[str, Any]:
+        """Figures for ``record_property`` (TTFT in s, counts in tokens)."""
+        p1, p2 = self.pass1, self.pass2
+        return {
+            f"{prefix}prompt_tokens": len(self.prompt),
+            f"{prefix}block_size": self.block_size,
+            f"{prefix}ttft_pass1_s": round(p1.completion.ttft_s or 0.0, 4),
+            f"{prefix}ttft_pass2_s": round(p2.completion.ttft_s or 0.0, 4),
+            f"{prefix}external_hits_pass1": int(p1.deltas["external_hits"]),
+            f"{prefix}external_hits_pass2": int(p2.deltas["external_hits"]),
+            f"{prefix}prefix_cache_hits_pass2": int(p2.deltas["prefix_hits"]),
+            f"{prefix}external_source_tokens_pass2":
+                int(p2.deltas["external_source_tokens"]),
+            f"{prefix}max_logprob_diff": round(max_logprob_diff(
+                p1.completion, p2.completion), 6),
+        }
+
+
+def run_seed(seed: int | None = None, source: str = "", profile: Any = None
+             ) -> tuple[int, str]:
+    """The prompt seed of this run and where it came from.
+
+    First match wins: the run seed the user chose (``seed`` with ``source``
+    ``--tvc-seed`` or ``TVC_SEED``, the ``tvc_seed`` fixture), the profile's
+    ``[e2e] seed`` when not 0, the run's own seed (``seed``: random per run, shared
+    with xdist workers), ``TVC_SEED`` read here (outside a suite run: ``seed`` is
+    None), else a random 32-bit seed (drawn once per process). Record it
+    (``record_property("prompt_seed", ...)``): with it the run's prompts can be
+    replayed exactly (``--tvc-seed``). Tests get it from the ``tvc_prompt_seed``
+    fixture.
+
+    Args:
+        seed: the run seed (:attr:`tvc.plugin.session.RunState.seed`); None
+            outside a suite run.
+        source: where ``seed`` came from (``--tvc-seed``, ``TVC_SEED``,
+            ``random``, ``controller``).
+        profile: the run's profile (its ``[e2e] seed``), or None.
+
+    Returns:
+        ``(seed, source)``, e.g. ``(1234, "--tvc-seed")``.
+
+    Raises:
+        ValueError: ``TVC_SEED`` is not an integer (outside a suite run).
+
+    """
+    chosen = source in ("--tvc-seed", "TVC_SEED") or (
+        source == "controller" and bool(os.environ.get(SEED_ENV, "").strip()))
+    data = getattr(profile, "data", None) or {}
+    profile_seed = int(data.get("e2e", {}).get("seed", 0) or 0)
+    if seed is not None and chosen:
+        return int(seed), source
+    if profile_seed:
+        return profile_seed, "[e2e] seed"
+    if seed is not None:
+        return int(seed), f"run seed ({source or 'default'})"
+    if _SEED:
+        return _SEED[0]
+    if os.environ.get(SEED_ENV, "").strip():
+        raw = os.environ[SEED_ENV].strip()
+        try:
+            drawn = int(raw, 0), SEED_ENV
+        except ValueError:
+            raise ValueError(f"{SEED_ENV}={raw!r}: expected an integer prompt "
+                             "seed") from None
+    else:
+        drawn = secrets.randbits(32), "random (this run)"
+    _SEED.append(drawn)
+    return _SEED[0]
+
+
+def rng_for(test_id: str, seed: int) -> random.Random:
+    """A prompt generator seeded by the run's prompt seed and a test id.
+
+    Args:
+        test_id: the test's node id.
+        seed: the prompt seed (``tvc_prompt_seed[0]``, see :func:`run_seed`).
+
+    """
+    return random.Random(f"{seed}-{test_id}")
+
+
+def make_prompt(rng: random.Random, length: int, lo: int, hi: int) -> list[int]:
+    """``length`` token ids drawn uniformly from ``[lo, hi)``.
+
+    Random prompts keep a persistent store from answering pass 1 with a prompt an
+    earlier run stored (which :func:`check_first_pass_computed` would report).
+    """
+    return [rng.randrange(lo, hi) for _ in range(length)]
+
+
+def run_pass(server: VllmServer, prompt: Sequence[int],
+             max_tokens: int = MAX_TOKENS, top_k: int = TOP_K) -> PassResult:
+    """Send one streamed greedy request and measure what it did to the counters.
+
+    Args:
+        server: a running server.
+        prompt: token ids.
+        max_tokens: tokens to generate.
+        top_k: logprobs per generated position.
+
+    Returns:
+        the :class:`PassResult`; counters are read once vLLM has counted the request
+        as finished (``vllm:request_success``), so they include all it caused.
+
+    """
+    client = server.client()
+    before = client.metrics()
+    offset = server.log_offset()
+    done = before.value(REQUEST_SUCCESS_METRIC)
+    completion = client.complete_streaming(list(prompt), max_tokens=max_tokens,
+                                           logprobs=top_k)
+    after = client.wait_for_metric(REQUEST_SUCCESS_METRIC, done + 1)
+    deltas = {k: after.value(n, **lab) - before.value(n, **lab)
+              for k, (n, lab) in COUNTERS.items()}
+    return PassResult(completion, deltas, server.log_text(offset), after)
+
+
+def run_two_passes(server: VllmServer, prompt: Sequence[int], *,
+                   restart_between: bool = False, max_tokens: int = MAX_TOKENS,
+                   top_k: int = TOP_K, hit_log_pattern: str = "") -> TwoPassResult:
+    """Pass 1, reset the GPU prefix cache (optionally restart the server), pass 2.
+
+    Args:
+        server: a running server (restarted in place when ``restart_between``).
+        prompt: token ids.
+        restart_between: stop and start the server between the passes (store
+            persistence); the server stays running afterwards.
+        max_tokens: tokens generated per pass.
+        top_k: logprobs per position.
+        hit_log_pattern: regex; when set, wait up to :data:`HIT_LOG_WAIT_S` for it
+            to appear in the log written since pass 2 began.
+
+    Returns:
+        the :class:`TwoPassResult`.
+
+    """
+    block_size = server.client().block_size()
+    p1 = run_pass(server, prompt, max_tokens, top_k)
+    server.client().reset_prefix_cache()
+    if restart_between:
+        server.restart()
+    offset = server.log_offset()
+    p2 = run_pass(server, prompt, max_tokens, top_k)
+    if hit_log_pattern:
+        def hit_logged() -> bool:
+            p2.log = server.log_text(offset)  # since pass 2 began, read again
+            return bool(search_log(hit_log_pattern, p2.log))
+
+        # no hit line in time is no error here: check_acceptance judges the log
+        with contextlib.suppress(PollTimeout):
+            wait_until(hit_logged, HIT_LOG_WAIT_S, LOG_POLL_S,
+                       f"the hit log line {hit_log_pattern!r}")
+    return TwoPassResult(list(prompt), block_size, p1, p2, restart_between)
+
+
+# ---------------------------------------------------------------------------- checks
+
+def check_first_pass_computed(r: TwoPassResult) -> None:
+    """Pass 1 must be computed, not served from the connector.
+
+    Raises:
+        AssertionError: pass 1 already had external hits.
+
+    """
+    seen = int(r.pass1.deltas["external_hits"])
+    assert seen == 0, (
+        f"pass 1 of a fresh random {len(r.prompt)}-token prompt: expected 0 external "
+        f"hit tokens, saw {seen} — the store answered a prompt it was never given; "
+        "check the connector's hashing (a false hit) or clear the store")
+
+
+def check_external_hits(r: TwoPassResult, expected: int, what: str = "") -> None:
+    """The external-hit counter rose in pass 2 by exactly ``expected`` tokens.
+
+    Raises:
+        AssertionError: another count; the message names the likely cause.
+
+    """
+    seen = int(r.pass2.deltas["external_hits"])
+    ctx = (f"{len(r.prompt)}-token prompt, block {r.block_size}"
+           + (", server restarted between the passes" if r.restarted else ""))
+    hint = ("the connector stored nothing or did not find it; check that its store "
+            "is writable and that it saves on request finish" if seen == 0 else
+            "the connector matched a different number of tokens than the profile's "
+            "hit rule; fix the connector or the profile's connector.hit_rule")
+    assert seen == expected, (
+        f"{what or 'external hits after pass 2'}: expected {expected} tokens "
+        f"({ctx}), saw {seen} ({EXTERNAL_HITS_METRIC}) — {hint}")
+
+
+def check_no_prefix_cache_hits(r: TwoPassResult) -> None:
+    """Check that the GPU prefix cache served nothing in pass 2 (it was reset).
+
+    Raises:
+        AssertionError: ``vllm:prefix_cache_hits`` rose.
+
+    """
+    seen = int(r.pass2.deltas["prefix_hits"])
+    assert seen == 0, (
+        f"GPU prefix-cache hits in pass 2: expected 0 after POST "
+        f"/reset_prefix_cache, saw {seen} ({PREFIX_HITS_METRIC}) — the reset did not "
+        "take effect, so pass 2 does not prove a connector hit")
+
+
+def check_source_counter_agrees(r: TwoPassResult, expected: int) -> None:
+    """``prompt_tokens_by_source{source="external_kv_transfer"}`` rose by ``expected``.
+
+    Raises:
+        AssertionError: another count.
+
+    """
+    seen = int(r.pass2.deltas["external_source_tokens"])
+    assert seen == expected, (
+        f"prompt tokens from external KV transfer in pass 2: expected {expected}, "
+        f"saw {seen} ({PROMPT_TOKENS_BY_SOURCE_METRIC}{{source="
+        f"\"{EXTERNAL_SOURCE_LABEL}\"}}) — the connector reported a hit but the "
+        "tokens were not loaded from it (or the reverse)")
+
+
+def check_hit_logged(r: TwoPassResult, pattern: str, log_path: object,
+                     expected: int = 1) -> None:
+    """The server log written during pass 2 matches the profile's hit pattern.
+
+    Args:
+        r: the two-pass result.
+        pattern: the profile's ``connector.hit_log_pattern`` (empty: no check).
+        log_path: the server log, for the message.
+        expected: the hit rule's tokens for this prompt; 0 means no hit is due,
+            so there is nothing to log.
+
+    Raises:
+        AssertionError: no line matches.
+
+    """
+    if not pattern or expected <= 0:
+        return
+    assert search_log(pattern, r.pass2.log), (
+        f"server log during pass 2: expected a line matching {pattern!r} (the "
+        f"profile's connector.hit_log_pattern), saw none in "
+        f"{len(r.pass2.log.splitlines())} lines of {log_path} — the connector did "
+        "not report its hit; check its log level or the pattern")
+
+
+# --------------------------------------------------------------- output comparison
+#
+# Vocabulary of vLLM's own ``check_logprobs_close`` (tests/models/utils.py): two
+# outputs ``outputs_0`` / ``outputs_1`` named ``name_0`` / ``name_1``; greedy token ids
+# are walked position by position; at the first position where they differ each
+# predicted token must be in the top-N logprobs of the other, and past it the
+# sequences diverge and are not compared. This suite is stricter in two ways:
+# logprobs are always compared (vLLM's ``always_check_logprobs``) with a numeric
+# tolerance, and a divergence is accepted only at a tie (both tokens within
+# TIE_NATS of the best logprob on either side), since a KV-cache connector must not
+# change what greedy decoding picks.
+
+
+def _top2_gap(c: Completion, i: int) -> str:
+    if i >= len(c.top_logprobs) or len(c.top_logprobs[i]) < 2:
+        return "unknown"
+    a, b = sorted(c.top_logprobs[i].values(), reverse=True)[:2]
+    return f"{a - b:.4f}"
+
+
+def _tie_in(top: dict[int, float], tokens: tuple[int, int]) -> bool:
+    best = max(top.values(), default=None)
+    return best is not None and all(
+        t in top and best - top[t] <= TIE_NATS for t in tokens)
+
+
+def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First position where two token-id lists differ (None when identical)."""
+    if list(a) == list(b):
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def output_diff(outputs_0: Completion, outputs_1: Completion, name_0: str,
+                name_1: str, atol: float = LOGPROB_ATOL, what: str = "both",
+                hint: str = "") -> str:
+    """Compare two greedy outputs of the same prompt; "" when they agree.
+
+    Token ids must be equal; a first difference is allowed only where it is a
+    tie-break (both tokens within :data:`TIE_NATS` of the best logprob at that
+    position, in either output's top-k), and nothing past it is compared (the
+    outputs then condition on different histories). Up to and including that
+    position: each output's top-1 token is in the other's top-k, and every token in
+    both top-k lists has logprobs within ``atol`` nats.
+
+    Args:
+        outputs_0: the reference output (e.g. the baseline, or pass 1).
+        outputs_1: the output under test.
+        name_0: how messages name ``outputs_0`` (e.g. ``"baseline (no
+            connector)"``).
+        name_1: how messages name ``outputs_1``.
+        atol: absolute logprob tolerance in nats.
+        what: ``"tokens"``, ``"logprobs"`` or ``"both"``.
+        hint: a sentence appended to a failure message (what to check).
+
+    Returns:
+        "" when the outputs agree, else one message naming the position, both
+        sides, the values and the tolerance.
+
+    """
+    a, b = outputs_0, outputs_1
+    tail = f" — {hint}" if hint else ""
+    i = _first_mismatch(a.token_ids, b.token_ids)
+    if what in ("tokens", "both") and i is not None:
+        tie = (i < min(len(a.top_logprobs), len(b.top_logprobs),
+                       len(a.token_ids), len(b.token_ids))
+               and any(_tie_in(top[i], (a.token_ids[i], b.token_ids[i]))
+                       for top in (a.top_logprobs, b.top_logprobs)))
+        if not tie:
+            return (f"output token ids differ between {name_0} and {name_1} at "
+                    f"position {i}: Matched tokens: {list(a.token_ids[:i])}; "
+                    f"{name_0}: {list(a.token_ids[i:])}, {name_1}: "
+                    f"{list(b.token_ids[i:])} ({name_0}'s top-2 logprob gap "
+                    f"there: {_top2_gap(a, i)} nats, not a tie){tail}")
+    if what == "tokens":
+        return ""
+    if not (len(a.top_logprobs) > 0 and len(b.top_logprobs) > 0):
+        return (f"logprobs: expected top-k logprobs per generated position from "
+                f"both {name_0} and {name_1}, saw {len(a.top_logprobs)} and "
+                f"{len(b.top_logprobs)} positions — the server did not return "
+                "logprobs; check it accepts `logprobs` in /v1/completions")
+    n = min(len(a.top_logprobs), len(b.top_logprobs))
+    if i is not None:
+        n = min(n, i + 1)  # up to and including the (tie-break) difference
+    for k in range(n):
+        da, db = a.top_logprobs[k], b.top_logprobs[k]
+        top_a, top_b = max(da, key=da.__getitem__), max(db, key=db.__getitem__)
+        if top_a not in db or top_b not in da:
+            return (f"logprobs at position {k}: {name_0}'s top-{len(da)} {da} and "
+                    f"{name_1}'s {db} do not share their top tokens{tail}")
+        for t in sorted(da.keys() & db.keys()):
+            diff = abs(da[t] - db[t])
+            if diff > atol:
+                return (f"logprob of token {t} at position {k}: {name_0} "
+                        f"{da[t]:.4f}, {name_1} {db[t]:.4f}, |diff| {diff:.4f} > "
+                        f"tolerance {atol} nats{tail}")
+    return ""
+
+
+LOAD_HINT = ("the KV the connector loaded is not the KV pass 1 computed; check the "
+             "connector's load path (layout, block order, dtype)")
+
+
+def comparable_positions(r: TwoPassResult) -> int:
+    """How many generated positions of the two passes condition on equal histories.
+
+    All of them when the token ids are identical; up to and including the first
+    difference when that difference is a tie-break (see :data:`TIE_NATS`).
+
+    Raises:
+        AssertionError: the outputs differ at a position that is not a tie; the
+            message shows the position and pass 1's top-2 gap there.
+
+    """
+    a, b = r.pass1.completion, r.pass2.completion
+    msg = output_diff(a, b, "pass 1", "pass 2", what="tokens", hint=LOAD_HINT)
+    if msg:
+        raise AssertionError(msg)
+    i = _first_mismatch(a.token_ids, b.token_ids)
+    return len(a.token_ids) if i is None else i + 1
+
+
+def check_same_output_tokens(r: TwoPassResult) -> None:
+    """Greedy output token ids of both passes are identical (up to an exact tie).
+
+    Raises:
+        AssertionError: they differ other than by a tie-break.
+
+    """
+    comparable_positions(r)
+
+
+def max_logprob_diff(a: Completion, b: Completion) -> float:
+    """Largest |logprob difference| over tokens in both top-k lists, per position.
+
+    Returns:
+        the maximum in nats (0.0 when nothing is comparable).
+
+    """
+    worst = 0.0
+    n = min(len(a.top_logprobs), len(b.top_logprobs))
+    for i in range(n):
+        shared = a.top_logprobs[i].keys() & b.top_logprobs[i].keys()
+        for t in shared:
+            worst = max(worst, abs(a.top_logprobs[i][t] - b.top_logprobs[i][t]))
+    return worst
+
+
+def check_logprobs_agree(r: TwoPassResult, atol: float = LOGPROB_ATOL) -> None:
+    """Top-k logprobs of both passes agree within ``atol`` nats, position by position.
+
+    Compared: every token id present in both passes' top-k at a position, up to and
+    including the first (tie-break) difference. Also required: each pass's top-1
+    token is in the other's top-k.
+
+    Raises:
+        AssertionError: a difference above ``atol``, or disjoint top-k lists.
+
+    """
+    msg = output_diff(r.pass1.completion, r.pass2.completion, "pass 1", "pass 2",
+                      atol, what="logprobs",
+                      hint="the KV the connector loaded differs from what pass 1 "
+                           "computed")
+    if msg:
+        raise AssertionError(msg)
+
+
+BASELINE_NAME = "baseline (no connector)"
+
+
+def baseline_verdict(baseline: Completion, pass1: Completion | None,
+                     pass2: Completion, atol: float = LOGPROB_ATOL,
+                     name1: str = "connector pass 1",
+                     name2: str = "connector pass 2") -> str:
+    """Compare a connector server's outputs with the baseline server's; name the side.
+
+    The baseline is the same model and serve args without ``--kv-transfer-config``
+    (vLLM alone). Pass 1 computed the prompt on the connector server (the connector
+    only saved); pass 2 was served from the connector. Which of them differs tells
+    who is wrong:
+
+    - only pass 2 differs: the KV the connector loaded is wrong (the connector);
+    - only pass 1 differs: the connector server computes the prompt itself
+      differently (its save path writes into the KV cache, or vLLM with a
+      connector runs differently, e.g. without the hybrid KV cache manager);
+    - both differ but agree with each other: vLLM with a connector computes
+      differently from vLLM without one (not a load problem);
+    - both differ from the baseline and from each other: both of the above.
+
+    Args:
+        baseline: the baseline server's output for the prompt.
+        pass1: the connector server's computing pass (None when there is none).
+        pass2: the connector server's output served from the connector.
+        atol: logprob tolerance in nats (``[e2e] logprob_atol``).
+        name1: how messages name ``pass1``.
+        name2: how messages name ``pass2``.
+
+    Returns:
+        "" when every given output agrees with the baseline, else one message that
+        starts with the verdict and ends with the first difference.
+
+    """
+    d2 = output_diff(baseline, pass2, BASELINE_NAME, name2, atol)
+    d1 = output_diff(baseline, pass1, BASELINE_NAME, name1, atol) if pass1 else ""
+    if not d1 and not d2:
+        return ""
+    if d2 and not d1:
+        agree = f"; {name1} agrees with the baseline" if pass1 else ""
+        return (f"{name2} differs from the {BASELINE_NAME}{agree} — the KV the "
+                f"connector loaded is wrong (the connector, not vLLM): {d2}")
+    assert pass1 is not None
+    if d1 and not d2:
+        return (f"{name1} differs from the {BASELINE_NAME} while {name2} agrees "
+                "with it — the connector server computed the prompt itself "
+                "differently (the connector's save path changed the KV cache, or "
+                f"vLLM with a connector runs differently): {d1}")
+    d12 = output_diff(pass1, pass2, name1, name2, atol)
+    if not d12:
+        return (f"{name1} and {name2} agree with each other but both differ from "
+                f"the {BASELINE_NAME} — vLLM with a kv_transfer_config computes "
+                "differently from vLLM without one (not a load problem; compare "
+                f"the two servers' logs for a changed setting): {d1}")
+    return (f"{name1} and {name2} differ from the {BASELINE_NAME} and from each "
+            f"other — both the connector server's own computation and the KV it "
+            f"loaded are off: {d1}; {d2}")
+
+
+def check_against_baseline(r: TwoPassResult, baseline: Completion | None,
+                           atol: float = LOGPROB_ATOL) -> None:
+    """Both passes of a two-pass result agree with the baseline output.
+
+    Args:
+        r: the two-pass result on the connector server.
+        baseline: the baseline server's output for ``r.prompt`` (None: skip).
+        atol: logprob tolerance in nats.
+
+    Raises:
+        AssertionError: :func:`baseline_verdict`'s message.
+
+    """
+    if baseline is None:
+        return
+    msg = baseline_verdict(baseline, r.pass1.completion, r.pass2.completion, atol)
+    if msg:
+        raise AssertionError(msg)
+
+
+def check_acceptance(r: TwoPassResult, expected: int, hit_log_pattern: str,
+                     log_path: object, what: str = "",
+                     baseline: Completion | None = None,
+                     atol: float = LOGPROB_ATOL) -> None:
+    """Every acceptance invariant of one two-pass result, in order.
+
+    Pass 1 computed; external hits == ``expected``; no GPU prefix-cache hit;
+    the by-source counter agrees; the hit is logged (if a pattern is set);
+    identical output tokens; logprobs within ``atol``; both passes agree with the
+    baseline server's output (when given).
+
+    Raises:
+        AssertionError: the first invariant that does not hold.
+
+    """
+    check_first_pass_computed(r)
+    check_external_hits(r, expected, what)
+    check_no_prefix_cache_hits(r)
+    check_source_counter_agrees(r, expected)
+    check_hit_logged(r, hit_log_pattern, log_path, expected)
+    check_same_output_tokens(r)
+    check_logprobs_agree(r, atol)
+    check_against_baseline(r, baseline, atol)

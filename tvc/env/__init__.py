@@ -1,0 +1,1 @@
+"""The box and the build: hardware probe, installed vLLM, toolchain, model."""

@@ -1,0 +1,270 @@
+"""Facts about the installed vLLM, read the way level1 needs them.
+
+Everything here reads; nothing writes into the user's vLLM tree (git runs with
+``GIT_OPTIONAL_LOCKS=0`` so that even ``git status`` leaves the index alone).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+FIX_NOT_INSTALLED = (
+    "install vLLM into this Python ({py}), e.g. `pip install -e $TVC_VLLM_SOURCE` "
+    "for a source tree, or run scripts/bootstrap.sh --reference-stack on a bare box"
+)
+FIX_UNDEFINED_SYMBOL = (
+    "a compiled extension was built against another torch/vLLM: rebuild the editable "
+    "install with its C++/CUDA part (`pip install -e . --no-build-isolation`, without "
+    "VLLM_USE_PRECOMPILED) after editing C++/CUDA sources, and keep torch at vLLM's pin"
+)
+FIX_LIBRARY_NOT_FOUND = (
+    "a shared library the extension links is not on the loader path: check the CUDA "
+    "runtime/driver libraries (LD_LIBRARY_PATH, nvidia-* wheels) and torch's lib dir"
+)
+
+
+def explain_import_error(text: str) -> str:
+    """Name the cause and the fix of an import failure from its message.
+
+    Args:
+        text: the exception text (e.g. ``str(ImportError)``).
+
+    Returns:
+        one sentence: ``undefined symbol`` / ``library not found`` / other.
+
+    """
+    if "undefined symbol" in text:
+        return f"undefined symbol: {FIX_UNDEFINED_SYMBOL}"
+    if "cannot open shared object file" in text or "library not found" in text:
+        return f"library not found: {FIX_LIBRARY_NOT_FOUND}"
+    return ("not a missing symbol or library: fix the module or dependency the "
+            "error names")
+
+
+def vllm_package_dir() -> Path:
+    """Directory of the ``vllm`` package, found without importing it.
+
+    Raises:
+        pytest.fail.Exception: vLLM is not installed in this Python.
+
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        pytest.fail(
+            f"vLLM is not installed in {sys.executable}. Fix: "
+            + FIX_NOT_INSTALLED.format(py=sys.executable), pytrace=False)
+    return Path(spec.origin).resolve().parent
+
+
+def import_vllm() -> Any:
+    """Import vLLM (and ``vllm.config``), turning failures into one clear message.
+
+    Returns:
+        the ``vllm`` module.
+
+    Raises:
+        pytest.fail.Exception: the import failed; the message names the cause.
+
+    """
+    try:
+        import vllm
+        import vllm.config  # noqa: F401  (pulls torch and the config machinery)
+    except ModuleNotFoundError as exc:
+        if exc.name == "vllm":
+            pytest.fail(f"vLLM is not installed in {sys.executable}. Fix: "
+                        + FIX_NOT_INSTALLED.format(py=sys.executable), pytrace=False)
+        pytest.fail(f"`import vllm` failed: {exc} — a dependency is missing; install "
+                    f"it (pip install {exc.name})", pytrace=False)
+    except (ImportError, OSError) as exc:
+        pytest.fail(f"`import vllm` failed: {exc} — {explain_import_error(str(exc))}",
+                    pytrace=False)
+    return vllm
+
+
+def modified_tracked_files(tree: Path) -> list[str]:
+    """Tracked files with changes in a git work tree (read-only git status).
+
+    Args:
+        tree: the vLLM source tree.
+
+    Returns:
+        ``git status --porcelain`` lines for tracked files (empty when clean).
+
+    Raises:
+        pytest.fail.Exception: ``tree`` is not a git work tree or git is missing.
+
+    """
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # never rewrite the user's index
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, env=env, timeout=120, check=False)
+    except FileNotFoundError:
+        pytest.fail("git is not installed: cannot inspect the vLLM source tree",
+                    pytrace=False)
+    if out.returncode:
+        pytest.fail(f"`git status` in {tree} failed: {out.stderr.strip()[:300]} — is "
+                    "vllm.source_tree a git checkout?", pytrace=False)
+    return [line for line in out.stdout.splitlines() if line.strip()]
+
+
+def torch_requirement() -> Requirement | None:
+    """VLLM's declared torch requirement from its installed metadata, if any."""
+    for line in md.requires("vllm") or []:
+        req = Requirement(line)
+        if req.name.lower() == "torch" and (
+                req.marker is None or req.marker.evaluate({"extra": ""})):
+            return req
+    return None
+
+
+def requires_python() -> SpecifierSet:
+    """VLLM's ``Requires-Python`` from its installed metadata (empty = any)."""
+    return SpecifierSet(md.metadata("vllm")["Requires-Python"] or "")
+
+
+def version_satisfies(spec: SpecifierSet, version: str) -> bool:
+    """Whether ``version`` satisfies ``spec`` (a local part like ``+cu130`` is ok)."""
+    return spec.contains(Version(version), prereleases=True)
+
+
+def discover_extensions(pkg_dir: Path) -> list[str]:
+    """Compiled extension modules shipped in the vLLM package, importable here.
+
+    Files whose suffix this interpreter does not load (e.g. a ``cpython-312`` build
+    under Python 3.11) are left out.
+
+    Args:
+        pkg_dir: the ``vllm`` package directory.
+
+    Returns:
+        sorted dotted module names, e.g. ``vllm._C_stable_libtorch``.
+
+    """
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    names = []
+    for path in pkg_dir.rglob("*.so"):
+        suffix = next((s for s in suffixes if path.name.endswith(s)), None)
+        # a module name has no dots: "_C.cpython-312-...so" under Python 3.11 only
+        # matches the bare ".so" suffix and leaves "_C.cpython-312-..." -> not ours
+        if suffix is None or "." in path.name[: -len(suffix)]:
+            continue
+        rel = path.relative_to(pkg_dir.parent)
+        parts = [*rel.parent.parts, path.name[: -len(suffix)]]
+        # The bare ``.so`` suffix also matches ``_C.cpython-312-x86_64-linux-gnu.so``;
+        # such a stem is not a module name this interpreter can import: leave it out.
+        if not all(part.isidentifier() for part in parts):
+            continue
+        names.append(".".join(parts))
+    return sorted(set(names))
+
+
+_IMPORT_ALL = r"""
+import importlib, json, sys
+import torch  # extensions link libtorch: load it first, as vLLM does
+out = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        out[name] = ""
+    except BaseException as exc:  # report everything, including SystemExit
+        out[name] = f"{type(exc).__name__}: {exc}"
+print("@@RESULT@@" + json.dumps(out))
+"""
+
+
+def import_extensions(names: list[str], timeout_s: float = 300) -> dict[str, str]:
+    """Import each extension in one fresh Python; return name -> error ('' = ok).
+
+    A fresh interpreter keeps one broken extension from poisoning the test process.
+
+    Raises:
+        pytest.fail.Exception: the interpreter crashed or produced no result.
+
+    """
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_ALL, *names],
+                          capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+    m = re.search(r"@@RESULT@@(.*)", proc.stdout)
+    if not m:
+        pytest.fail(f"importing vLLM's compiled extensions crashed the interpreter "
+                    f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}",
+                    pytrace=False)
+    return json.loads(m.group(1))
+
+
+def resolve_connector(kv_transfer_config: dict[str, Any]) -> type:
+    """Resolve the connector class exactly as vLLM does (``KVConnectorFactory``).
+
+    Args:
+        kv_transfer_config: the profile's ``kv_transfer_config`` dict.
+
+    Returns:
+        the connector class.
+
+    Raises:
+        pytest.fail.Exception: the config, module path or class name is wrong; the
+            message names which.
+
+    """
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    name = kv_transfer_config.get("kv_connector")
+    module = kv_transfer_config.get("kv_connector_module_path")
+    try:
+        cfg = KVTransferConfig(**kv_transfer_config)
+    except Exception as exc:  # pydantic ValidationError and friends
+        pytest.fail(f"vLLM rejects the profile's kv_transfer_config: {exc}",
+                    pytrace=False)
+    try:
+        return KVConnectorFactory.get_connector_class(cfg)
+    except ModuleNotFoundError as exc:
+        pytest.fail(f"kv_connector_module_path {module!r} does not import: {exc}. "
+                    "Fix: put the connector's package on PYTHONPATH (or install it) "
+                    "or correct connector.module_path in the profile", pytrace=False)
+    except AttributeError:
+        pytest.fail(f"kv_connector {name!r}: no such class in module {module!r}. Fix: "
+                    "correct connector.name (the class name) in the profile",
+                    pytrace=False)
+    except ValueError as exc:
+        fix = ("change the class in {module!r} as vLLM's message says" if module
+               else "use a registered connector name or set connector.module_path")
+        pytest.fail(f"kv_connector {name!r} cannot be resolved by vLLM: {exc}. Fix: "
+                    + fix.format(module=module), pytrace=False)
+    except ImportError as exc:
+        pytest.fail(f"kv_connector_module_path {module!r} fails to import: {exc} — "
+                    f"{explain_import_error(str(exc))}", pytrace=False)
+
+
+def unimplemented_abstract_methods(cls: type, base: type) -> list[str]:
+    """Abstract methods of ``base`` that ``cls`` leaves unimplemented.
+
+    Args:
+        cls: the connector class.
+        base: ``KVConnectorBase_V1`` of the installed vLLM.
+
+    Returns:
+        sorted method names still abstract on ``cls``.
+
+    """
+    names = set(getattr(base, "__abstractmethods__", ())) | set(
+        getattr(cls, "__abstractmethods__", ()))
+    return sorted(n for n in names
+                  if getattr(getattr(cls, n, None), "__isabstractmethod__", False)
+                  or getattr(cls, n, None) is None)

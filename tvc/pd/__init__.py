@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: a producer and a consumer server behind a router."""

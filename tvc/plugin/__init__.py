@@ -1,0 +1,1 @@
+"""The pytest plugin: hooks and options, run control, reports, summary page."""

@@ -1,0 +1,317 @@
+"""Findings: every defect a run found, with how to reproduce it, in ``summary.json``.
+
+Each failed, errored or known-failure (strict xfail) test of a run becomes one
+finding: the test, its message, the command that reruns exactly it (profile and
+seed), and, where the failure is a defect the suite knows (:data:`CATALOGUE`),
+its title, a minimal reproduction in the connector's terms and where upstream
+it comes from. Several tests showing one catalogued defect make one finding.
+
+A known failure (``[[known_failures]]``) is a finding too: it keeps pytest's
+exit status at 0, so ``tvc certify`` (:mod:`tvc.cli`) reads ``findings``, lists them and
+counts the accepted ones in its verdict.
+
+The Tutti entries are for the public connector (xPU-IO/Tutti
+``integration/vllm-connector`` at 33a8fb8), found by the contract and e2e tiers
+(CPU: scheduler side through vLLM 0.28's scheduler; H200: worker and server).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CATALOGUE", "KnownDefect", "causes", "cut", "findings", "normalise_cause"]
+
+
+@dataclass(frozen=True)
+class KnownDefect:
+    """A defect the suite knows by its symptom.
+
+    Attributes:
+        key: short id, e.g. ``tutti-cache-salt``.
+        title: one sentence.
+        nodeid: regex a test's node id must contain (``""`` = any test).
+        message: regex the test's message must contain.
+        reproduction: the smallest input that shows it, in the field's terms.
+        source: upstream file and function.
+        connector: the ``kv_connector`` class the defect belongs to: another
+            connector's failure in the same test is not this defect.
+
+    """
+
+    key: str
+    title: str
+    nodeid: str
+    message: str
+    reproduction: str
+    source: str
+    connector: str = "TuttiConnectorV1"
+
+    def matches(self, nodeid: str, message: str, connector: str = "") -> bool:
+        """Whether a test's node id and message show this defect.
+
+        ``connector`` is the run's ``kv_connector`` (``""``: unknown, e.g. an
+        older ``summary.json``); a different class never matches.
+        """
+        if connector and connector != self.connector:
+            return False
+        return bool(re.search(self.nodeid, nodeid) and re.search(self.message,
+                                                                  message))
+
+
+_T = "xPU-IO/Tutti 33a8fb8 integration/vllm-connector/"
+
+CATALOGUE: tuple[KnownDefect, ...] = (
+    KnownDefect(
+        "tutti-cache-salt",
+        "chunk keys ignore cache_salt and the LoRA adapter: one tenant's prompt "
+        "hits another tenant's KV",
+        r"test_tenant_isolation", r"tenant isolation",
+        "store a 129-token prompt; replay the same tokens with "
+        "cache_salt='tvc-tenant-b' (or a LoRA adapter): get_num_new_matched_tokens "
+        "returns 128 instead of 0 (chunk_tokens = 32)",
+        _T + "index/chunk_index.py (hash_keys folds token ids only), "
+        "adapter/connector.py get_num_new_matched_tokens"),
+    KnownDefect(
+        "tutti-local-hit-alignment",
+        "a local prefix-cache hit breaks chunk alignment: the match starts at "
+        "num_computed_tokens, off the chunk grid, and the worker loads only whole "
+        "chunks inside it",
+        r"test_local_prefix_cache_hit_then_external_hit", r"local \+ external",
+        "one 16-token block in vLLM's local cache, a 105-token prompt whose chunks "
+        "are all stored: the connector matches 64 tokens ([16, 80)) instead of 80 "
+        "(96 in total, chunk_tokens = 32); its worker loads only [32, 64)",
+        _T + "adapter/connector.py:550-579 get_num_new_matched_tokens"),
+    KnownDefect(
+        "tutti-num-chunks-type",
+        "store.options.num_chunks of a wrong type raises a TypeError that names "
+        "no key",
+        r"test_bad_size_value_fails_at_creation_naming_it.*num_chunks.*wrong_type"
+        r"|test_bad_size_value_fails_at_creation_naming_it.*wrong_type.*num_chunks",
+        r"does not name the key",
+        "kv_connector_extra_config.store.options.num_chunks = \"not-a-number\": "
+        "TypeError: '<=' not supported between instances of 'str' and 'int'",
+        _T + "stores/metadata.py MemoryMetadataStore.__init__ (num_chunks <= 0)"),
+    KnownDefect(
+        "tutti-rank4-per-layer",
+        "the worker refuses vLLM's per-layer KV tensors (N, H, B, 2D): the V2 "
+        "model runner (vLLM 0.26/0.28's default for dense models, 0.33's always) "
+        "cannot serve the connector",
+        r"", r"is vLLM's per-layer tensor \(N, H, B, 2D\)",
+        "vLLM 0.26 or 0.28, a dense model, VLLM_USE_V2_MODEL_RUNNER unset: "
+        "register_kv_caches raises AssertionError 'unsupported paged KV tensor "
+        "rank 4'",
+        _T + "transfer/tutti_kv_transfer (paged KV format detection), "
+        "adapter/worker.py register_kv_caches"),
+    KnownDefect(
+        "tutti-kv-heads",
+        "on the V1 runner the worker takes the cross-layer KV tensor only with "
+        "exactly 2 KV heads per rank (it reads the KV-head axis as the K/V axis)",
+        r"", r"is a layer slice \(N, B, H, 2D\) of the V1 runner's cross-layer"
+             r"|K/V axis must be shape\[3\] == 2",
+        "VLLM_USE_V2_MODEL_RUNNER=0 and a model with 8 KV heads: "
+        "register_cross_layers_kv_cache refuses its (N, L, 16, 8, 2D) tensor",
+        _T + "adapter/worker.py register_cross_layers_kv_cache"),
+    KnownDefect(
+        "tutti-memory-store-cuda",
+        "Tutti's memory store cannot serve a CUDA worker: it refuses the CUDA "
+        "staging buffer",
+        r"", r"staging 环窗被 store 拒收",
+        "store.type = \"memory\" on a CUDA worker: KVEngine.bind raises "
+        "'staging 环窗被 store 拒收' (memoryview of a CUDA tensor)",
+        _T + "stores/memory.py register_buffer, engine/core.py KVEngine.bind"),
+    KnownDefect(
+        "tutti-residency-unpublished",
+        "the scheduler side drops its workers' commit reports, so nothing ever "
+        "becomes resident: update_connector_output publishes only through the "
+        "index's apply_worker_commits, which this SchedulerMetadataIndex lacks",
+        r"", r"\(TuttiWorkerMetadata\) from build_connector_worker_meta.*"
+             r"did not publish",
+        "store a 72-token prompt, replay it: the worker returns a "
+        "TuttiWorkerMetadata with the 4 chunk keys committed, the scheduler's "
+        "get_num_new_matched_tokens matches 0",
+        _T + "adapter/connector.py update_connector_output; engine/metadata.py "
+             "SchedulerMetadataIndex (no apply_worker_commits)"),
+)
+
+
+def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
+             seed: Any = None, pythonpath: str = "") -> list[dict[str, Any]]:
+    """The findings of a run, from its ``summary.json`` test entries.
+
+    Args:
+        tests: entries with ``nodeid``, ``outcome``, ``message``.
+        profile: the summary's ``profile`` section (``name``, ``source``).
+        seed: the run's seed (``--tvc-seed``), for the rerun command.
+        pythonpath: the run's ``PYTHONPATH`` (where an out-of-tree connector's
+            module was found), put in front of the rerun command when set.
+
+    Returns:
+        one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
+        ``tests`` (node ids), ``outcome`` (``failed``/``error``/``xfailed``),
+        ``message`` (the first test's), ``rerun`` (a pytest command line),
+        ``reproduction`` and ``source`` (catalogued defects; ``""`` otherwise).
+
+    """
+    prof = str(profile.get("source") or profile.get("name") or "")
+    out: dict[str, dict[str, Any]] = {}
+    for t in tests:
+        if t.get("outcome") not in ("failed", "error", "xfailed"):
+            continue
+        nodeid, msg = str(t.get("nodeid", "")), str(t.get("message", ""))
+        known = next((d for d in CATALOGUE
+                      if d.matches(nodeid, msg, str(profile.get("connector") or ""))),
+                     None)
+        key = known.key if known else f"test:{nodeid}"
+        rerun = ["pytest", nodeid]
+        if prof:
+            rerun.append(f"--tvc-profile={prof}")
+        if seed is not None:
+            rerun.append(f"--tvc-seed={seed}")
+        entry = out.setdefault(key, {
+            "key": known.key if known else "test",
+            "title": known.title if known else f"{nodeid} {t.get('outcome')}",
+            "tests": [], "outcome": t.get("outcome"), "message": msg[:2000],
+            # an assignment word must stay unquoted before "=" for the shell
+            "rerun": (f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath
+                      else "") + shlex.join(rerun),
+            "reproduction": known.reproduction if known else "",
+            "source": known.source if known else ""})
+        entry["tests"].append(nodeid)
+    return list(out.values())
+
+
+def cut(text: str, limit: int = 400) -> str:
+    """``text`` on one line, at most ``limit`` characters, cut at a word boundary.
+
+    Args:
+        text: any message (several lines are joined by spaces).
+        limit: the most characters returned, the ``…`` included.
+
+    Returns:
+        ``text`` itself when it fits, else its longest prefix that ends at a
+        whitespace followed by ``…`` (a single word longer than ``limit`` is cut
+        inside it, as there is no boundary to cut at).
+
+    """
+    flat = " ".join(str(text).split())
+    if len(flat) <= limit:
+        return flat
+    head = flat[:max(limit - 1, 0)]
+    space = head.rfind(" ")
+    if space > 0 and flat[len(head)] != " ":
+        head = head[:space]
+    return head.rstrip(" ,;:") + "…"
+
+
+# what varies between two runs of one cause: paths, addresses and ids, numbers
+_MASKS = (
+    (re.compile(r"(?:[A-Za-z]:)?(?:[\w.~-]*/)+[\w.@+-]+"), "<path>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<addr>"),
+    (re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                r"[0-9a-fA-F]{12}\b"), "<id>"),
+    (re.compile(r"\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}\b"),
+     "<id>"),
+    (re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), "<n>"),
+)
+
+
+def _first_line(message: str) -> str:
+    """The first non-empty line of a message, or ``(no message)``."""
+    return next((ln.strip() for ln in str(message).splitlines() if ln.strip()),
+                "(no message)")
+
+
+def _after_first_line(message: str) -> str:
+    """What follows the first non-empty line of a message (``""`` if nothing)."""
+    lines = [ln for ln in str(message).splitlines() if ln.strip()]
+    return "\n".join(lines[1:])
+
+
+def normalise_cause(message: str) -> str:
+    """The cause of a failure as a key that equal causes share.
+
+    The message's first non-empty line with what differs between tests of one
+    cause masked: file paths (``<path>``), addresses (``<addr>``), uuids and hex
+    ids of 8+ digits (``<id>``), and numbers (``<n>``; a number glued to a word,
+    as in ``sha256`` or ``req2``, stays).
+
+    Args:
+        message: a test's one-paragraph message (``summary.json``).
+
+    Returns:
+        the key, e.g. ``AssertionError: matched <n> tokens, expected <n>``;
+        ``(no message)`` for an empty one.
+
+    """
+    line = _first_line(message)
+    if line == "(no message)":
+        return line
+    for pattern, mask in _MASKS:
+        line = pattern.sub(mask, line)
+    return " ".join(line.split())
+
+
+#: outcome -> the group it is shown in (what failed first, then known, skips)
+OUTCOME_GROUP = {"failed": "failed", "error": "failed", "not_run": "not_run",
+                 "xfailed": "xfailed", "skipped": "skipped"}
+
+
+def causes(tests: Iterable[Mapping[str, Any]], found: Iterable[Mapping[str, Any]] = (),
+           group: str = "failed", label: Any = None) -> list[dict[str, Any]]:
+    """Tests of one outcome group, one entry per cause, the largest first.
+
+    A catalogued defect (a finding whose ``key`` is not ``test``) is one cause
+    by its key, whatever its messages; any other test joins the tests whose
+    message has the same :func:`normalise_cause`.
+
+    Args:
+        tests: ``summary.json`` test entries (``nodeid``, ``outcome``,
+            ``message``, ``tiers``).
+        found: the run's findings (:func:`findings`), for the catalogue keys.
+        group: ``failed`` (failed and error), ``xfailed``, ``skipped`` or
+            ``not_run`` (see :data:`OUTCOME_GROUP`).
+        label: ``test -> str`` naming a test in the lists (default: the last
+            part of its node id); a fleet summary prefixes the host.
+
+    Returns:
+        dicts with ``key`` (the grouping key), ``title`` (the catalogued title
+        or the first line of the first test's message, :func:`cut` to 400
+        characters), ``finding``
+        (the catalogue key or ``""``), ``outcomes`` (outcome -> count),
+        ``tiers`` (tier names), ``tests`` (node ids), ``names`` (labels),
+        ``message`` (the first test's full message), ``detail`` (what the
+        title does not show: the rest of that message, or a catalogued
+        defect's message; :func:`cut` to 600 characters), sorted by number of tests
+        (most first), then key.
+
+    """
+    name = label or (lambda t: str(t.get("nodeid", "")).split("::")[-1])
+    by_test = {nid: f["key"] for f in found if f.get("key") not in (None, "test")
+               for nid in f.get("tests") or ()}
+    title = {f["key"]: f["title"] for f in found if f.get("key") not in (None, "test")}
+    out: dict[str, dict[str, Any]] = {}
+    for t in tests:
+        outcome = str(t.get("outcome", ""))
+        if OUTCOME_GROUP.get(outcome) != group:
+            continue
+        nodeid, msg = str(t.get("nodeid", "")), str(t.get("message") or "")
+        finding = by_test.get(nodeid, "") if group in ("failed", "xfailed") else ""
+        key = f"finding:{finding}" if finding else normalise_cause(msg)
+        entry = out.setdefault(key, {
+            "key": key, "finding": finding,
+            "title": title[finding] if finding else (
+                cut(_first_line(msg)) if msg.strip() or outcome != "not_run"
+                else "the run stopped before these tests finished"),
+            "outcomes": {}, "tiers": [], "tests": [], "names": [], "message": msg,
+            "detail": cut(msg if finding else _after_first_line(msg), 600)})
+        entry["outcomes"][outcome] = entry["outcomes"].get(outcome, 0) + 1
+        for tier in t.get("tiers") or ["other"]:
+            if tier not in entry["tiers"]:
+                entry["tiers"].append(tier)
+        entry["tests"].append(nodeid)
+        entry["names"].append(str(name(t)))
+    return sorted(out.values(), key=lambda e: (-len(e["tests"]), e["key"]))

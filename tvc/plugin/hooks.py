@@ -1,0 +1,1051 @@
+"""The suite's pytest plugin: options, markers, profile, hardware levels, reports.
+
+Options (each also read from an environment variable):
+
+``--tvc-profile NAME|PATH`` (``TVC_PROFILE``)
+    the target profile; default ``example``.
+``--tvc-require LEVEL[,LEVEL]`` (``TVC_REQUIRE``)
+    strict mode: hardware levels (``gpu``, ``nvme``; ``all`` for both) whose absence
+    fails a test instead of skipping it. ``real_nvme`` is accepted for ``nvme``.
+    ``coverage``: a connector method the connector overrides that no test
+    exercised fails the run (``docs/coverage.md``).
+``--tvc-report-dir DIR`` (``TVC_REPORT_DIR``)
+    the run folder for ``junit.xml`` and ``summary.json``; default
+    ``reports/<UTC time>-<profile>/``.
+``--tvc-seed N`` (``TVC_SEED``)
+    the run's seed for generated prompts (e2e, contract); default: a random seed per
+    run, recorded in the reports and readable as the ``tvc_seed`` fixture.
+``--tvc-explore-examples N``
+    event sequences per family of the contract tier's model-based exploration
+    (``suites/contract/test_exploration.py``); default
+    :data:`tvc.contract.explore.DEFAULT_EXAMPLES`; a positive integer.
+``--tvc-trace-*``
+    the trace tier's options (:func:`tvc.trace.bench.add_options`).
+
+Every option is in the ``tvc-`` namespace, so no other plugin's option (e.g.
+pytest-profiling's ``--profile``) is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tvc.config.paths import CHECKOUT, MARKERS_FILE, suites_dir
+from tvc.plugin import run_control
+from tvc.trace import options as trace_options
+
+# first, before anything else loads: a Ctrl-C while pytest loads its plugins
+_IMPORT_DEFER = run_control.defer_while_plugins_load()
+
+# The plugin loads in every pytest run of the environment (pytest11 entry point), so
+# at import it takes only the standard library, pytest and the modules above. The
+# suite's machinery (profiles, hardware probe, reports; numpy, requests, psutil...)
+# and its fixture plugins are imported by :func:`_load_machinery`, in
+# ``pytest_configure`` of a suite run only (:func:`suite_run_reason`).
+if TYPE_CHECKING:
+    from tvc.config import known_failures
+    from tvc.env import hardware
+    from tvc.plugin import report as reporting
+    from tvc.plugin import session
+    from tvc.plugin.report import RunReport
+    from tvc.store import run_store
+
+# the fixtures and the error report of an unsupported vLLM, registered in suite runs
+SUITE_PLUGINS = (
+    "tvc.fixtures.run_state",
+    "tvc.fixtures.vllm",
+    "tvc.fixtures.model",
+    "tvc.fixtures.trace",
+    "tvc.fixtures.contract",
+    "tvc.fixtures.daemon",
+    "tvc.fixtures.store",
+    "tvc.fixtures.pd",
+    "tvc.plugin.compat_report",  # HarnessIncompatible -> an error, never a failure
+)
+
+
+def _load_machinery(config: pytest.Config) -> None:
+    """Import the suite's machinery and register its fixture plugins (suite runs).
+
+    Binds the module names the hooks use: :mod:`tvc.plugin.session`,
+    :mod:`tvc.plugin.report` (as ``reporting``), :mod:`tvc.config.known_failures`,
+    :mod:`tvc.env.hardware` and :mod:`tvc.store.run_store`; then registers
+    :data:`SUITE_PLUGINS` (each once per config; a ``-p no:NAME`` still blocks one).
+    """
+    global hardware, known_failures, reporting, run_store, session
+    from tvc.config import known_failures
+    from tvc.env import hardware
+    from tvc.plugin import report as reporting
+    from tvc.plugin import session
+    from tvc.store import run_store
+
+    for name in SUITE_PLUGINS:
+        config.pluginmanager.import_plugin(name)
+
+
+LEVEL_ALIASES = {"gpu": "gpu", "cuda": "gpu", "gpu2": "gpu2", "nvme": "nvme",
+                 "real_nvme": "nvme", "coverage": "coverage"}
+# a random run seed is drawn from [1, 2**31): positive, fits a C int and numpy's
+# legacy seeding (which takes values < 2**32)
+SEED_RANGE = (1, 2**31)
+
+
+def parse_require(value: str | None) -> frozenset[str]:
+    """Parse ``--tvc-require``: ``gpu,nvme`` -> {"gpu", "nvme"}; ``all`` -> both.
+
+    ``gpu2`` (two GPUs) implies ``gpu``: a host that must show two GPUs must show
+    one, so the one-GPU tiers are strict too. An explicitly empty value
+    (``--tvc-require=``, e.g. from an unset shell variable in a CI gate) is an
+    error, not a silent "no strict mode".
+
+    Used as the option's argparse ``type``, so a bad level is an argparse error that
+    names the option.
+
+    Args:
+        value: comma-separated level names (case-insensitive); None = none.
+
+    Returns:
+        the canonical level names (``gpu``, ``gpu2``, ``nvme``, ``coverage``).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown level name, or no level at all in
+            a given value.
+
+    """
+    out: set[str] = set()
+    for raw in (value or "").split(","):
+        name = raw.strip().lower()
+        if not name:
+            continue
+        if name == "all":
+            out |= {"gpu", "nvme"}
+        elif name in LEVEL_ALIASES:
+            out.add(LEVEL_ALIASES[name])
+        else:
+            raise argparse.ArgumentTypeError(
+                f"unknown hardware level {raw.strip()!r} (known: gpu, gpu2, nvme, all, "
+                "coverage)")
+    if value is not None and not out:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} names no hardware level: give at least one of gpu, gpu2, "
+            "nvme, all (leave the option out for no strict mode)")
+    if "gpu2" in out:
+        out.add("gpu")
+    return frozenset(out)
+
+
+def parse_seed(value: str) -> int:
+    """Parse a ``--tvc-seed`` value: a non-negative integer.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or negative.
+
+    """
+    try:
+        seed = int(value, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an integer") from None
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+    return seed
+
+
+def parse_gpus(value: str) -> list[int] | None:
+    """Parse a ``--tvc-gpus`` value: ``all`` (None) or CUDA indices ``0,1``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+
+    """
+    from tvc.procs.pool import parse_gpus as parse
+
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_positive(value: str) -> int:
+    """Parse a count option (``--tvc-explore-examples``): an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or 0 or negative.
+
+    """
+    try:
+        n = int(value, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not positive (give N >= 1)")
+    return n
+
+
+def parse_non_empty(value: str) -> str:
+    """Parse a name or path option (``--tvc-profile``, ``--tvc-report-dir``).
+
+    Raises:
+        argparse.ArgumentTypeError: the value is empty or blank (``--tvc-profile=``
+            would otherwise fall back to the default profile unseen).
+
+    """
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "empty value: give a name or a path, or leave the option out")
+    return value
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the suite's command-line options (each also read from a ``TVC_*`` name)."""
+    group = parser.getgroup("tutti-vllm-conformance")
+    group.addoption("--tvc-profile", dest="tvc_profile", default=None,
+                    type=parse_non_empty, metavar="NAME|PATH",
+                    help="target profile: built-in name or path to a TOML file "
+                         "(env TVC_PROFILE; default: example)")
+    group.addoption("--tvc-require", dest="tvc_require", default=None,
+                    type=parse_require, metavar="LEVEL[,LEVEL]",
+                    help="strict mode: comma-separated hardware levels (gpu, gpu2, "
+                         "nvme, all) whose absence fails instead of skipping (env "
+                         "TVC_REQUIRE)")
+    group.addoption("--tvc-report-dir", dest="tvc_report_dir", default=None,
+                    type=parse_non_empty, metavar="DIR",
+                    help="run folder for junit.xml and summary.json (env "
+                         "TVC_REPORT_DIR; default reports/<time>-<profile>/)")
+    group.addoption("--tvc-seed", dest="tvc_seed", default=None, type=parse_seed,
+                    metavar="N",
+                    help="seed of generated prompts (env TVC_SEED; default: random "
+                         "per run, recorded in the reports)")
+    group.addoption("--tvc-gpus", dest="tvc_gpus", default=None, type=parse_gpus,
+                    metavar="all|I[,I]",
+                    help="GPUs the server pool spreads vLLM servers over: 'all' "
+                         "(default: every GPU CUDA_VISIBLE_DEVICES leaves visible) "
+                         "or CUDA indices such as 0,1 (docs/servers.md)")
+    group.addoption("--tvc-gpu-lanes", dest="tvc_gpu_lanes", default=None,
+                    type=trace_options.positive(int), metavar="N",
+                    help="xdist workers the GPU-owning tests run on: 1 (all on one "
+                         "worker) or 2 (tests planning their own servers beside "
+                         "the rest); default 2 with -n 3 or more (docs/servers.md)")
+    group.addoption("--tvc-parallel-starts", dest="tvc_parallel_starts",
+                    default=None, type=trace_options.positive(int), metavar="N",
+                    help="vLLM servers the pool starts at once in the background "
+                         "(default: half the CPU cores, at least 2; each start is "
+                         "CPU-bound)")
+    group.addoption("--tvc-explore-examples", dest="tvc_explore_examples",
+                    default=None, type=parse_positive, metavar="N",
+                    help="event sequences per family of the contract tier's "
+                         "model-based exploration (default 30; larger goes deeper)")
+    trace_options.add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config,
+                                  parser: pytest.Parser, args: list[str]) -> None:
+    """In a suite run: defer Ctrl-C until configure.
+
+    Runs after every entry-point plugin has added its options and before the
+    conftests load (see :class:`run_control.DeferInterrupts`).
+    """
+    global _IMPORT_DEFER
+    held, _IMPORT_DEFER = _IMPORT_DEFER, None
+    ns = early_config.known_args_namespace
+    reason = _suite_reason(early_config.rootpath, lambda d: getattr(ns, d, None))
+    if not reason:
+        if held is not None and held.restore():
+            raise KeyboardInterrupt  # a Ctrl-C while plugins loaded: pytest's own
+        return
+    early = held or run_control.DeferInterrupts()
+    if held is not None or early.install():
+        early_config.stash[_EARLY] = early
+        early_config.add_cleanup(early.restore)  # type: ignore[arg-type]
+
+
+def read_markers(path: Path = MARKERS_FILE) -> dict[str, str]:
+    """Read ``markers.ini``: every section's ``name = description`` lines.
+
+    Raises:
+        pytest.UsageError: the file is missing or malformed.
+
+    """
+    cp = configparser.ConfigParser(interpolation=None)
+    try:
+        if not cp.read(path):
+            raise pytest.UsageError(f"{path}: marker file not found")
+    except configparser.Error as exc:
+        raise pytest.UsageError(f"{path}: malformed: {exc}") from None
+    return {k: v for s in cp.sections() for k, v in cp.items(s)}
+
+
+OPTION_NAMES = {
+    "tvc_profile": "--tvc-profile", "tvc_require": "--tvc-require",
+    "tvc_report_dir": "--tvc-report-dir", "tvc_seed": "--tvc-seed",
+    "tvc_explore_examples": "--tvc-explore-examples",
+    "tvc_trace": "--tvc-trace-file", "tvc_trace_size": "--tvc-trace-size",
+    "tvc_trace_time_scale": "--tvc-trace-time-scale",
+    "tvc_trace_max_duration": "--tvc-trace-max-duration",
+    "tvc_trace_concurrency": "--tvc-trace-concurrency",
+    "tvc_trace_max_requests": "--tvc-trace-max-requests",
+}
+
+
+def suite_run_reason(config: pytest.Config) -> str:
+    """Why this pytest run is the suite's ('' when it is not).
+
+    The plugin is a ``pytest11`` entry point, so it loads in every pytest run of the
+    environment (a user's own vLLM tests too). It acts only in the suite's runs:
+    the rootdir holds the suite (``markers.ini`` and ``suites/``), or a ``--tvc-*``
+    option or ``TVC_PROFILE`` is given. Otherwise it only
+    registers its options.
+    """
+    return _suite_reason(config.rootpath, lambda d: config.getoption(d, None))
+
+
+def _suite_reason(rootpath: Path, value: Any) -> str:
+    """:func:`suite_run_reason` from a rootdir and a lookup ``dest -> value``."""
+    root = Path(rootpath)
+    if (root / "tvc" / "data" / "markers.ini").is_file() and (root / "suites").is_dir():
+        return f"rootdir {root} holds the suite"
+    for dest in OPTION_NAMES:
+        if value(dest) is not None:
+            return f"{OPTION_NAMES[dest]} given"
+    if os.environ.get("TVC_PROFILE"):
+        return "TVC_PROFILE set"
+    return ""
+
+
+def is_selftest_run(config: pytest.Config) -> bool:
+    """True when every path the run was given lies under the suite's ``selftests/``.
+
+    Such a run tests the suite itself, not a connector: its run folder goes under
+    ``reports/selftests/`` and its summary says so (``run.kind = "selftests"``).
+    """
+    own = (Path(config.rootpath) / "selftests").resolve()
+    base = Path(config.invocation_params.dir)
+    paths = [a.split("::", 1)[0] for a in config.args]
+    if not paths:
+        return False
+    return all((base / a).resolve().is_relative_to(own) for a in paths)
+
+
+def _active(config: pytest.Config) -> bool:
+    return bool(config.stash.get(_ACTIVE, ""))
+
+
+def _run_report(config: pytest.Config) -> RunReport | None:
+    """The run's report writer (:class:`tvc.plugin.report.RunReport`).
+
+    None in a run that is not a suite run, in an xdist worker, or with reports off.
+    """
+    return config.stash.get(_REPORT, None) if _active(config) else None
+
+
+def resolve_require(config: pytest.Config) -> set[str]:
+    """Strict-mode levels: ``--tvc-require``, else ``$TVC_REQUIRE``.
+
+    Raises:
+        pytest.UsageError: ``TVC_REQUIRE`` names an unknown level (a bad option value
+            is already an argparse error naming the option).
+
+    """
+    opt = config.getoption("tvc_require")
+    if opt is not None:
+        return set(opt)
+    try:
+        return set(parse_require(os.environ.get("TVC_REQUIRE") or None))
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"TVC_REQUIRE: {exc}") from None
+
+
+def resolve_seed(config: pytest.Config) -> tuple[int, str]:
+    """The run seed and where it came from.
+
+    First match wins: the xdist controller's seed (workers), ``--tvc-seed``,
+    ``$TVC_SEED``, a fresh random seed in :data:`SEED_RANGE`.
+
+    Returns:
+        (seed, source) with source ``controller``, ``--tvc-seed``, ``TVC_SEED`` or
+        ``random``.
+
+    Raises:
+        pytest.UsageError: ``TVC_SEED`` is not a non-negative integer.
+
+    """
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and _SEED_KEY in workerinput:
+        return int(workerinput[_SEED_KEY]), "controller"
+    opt = config.getoption("tvc_seed")
+    if opt is not None:
+        return int(opt), "--tvc-seed"
+    env = os.environ.get("TVC_SEED", "").strip()
+    if env:
+        try:
+            return parse_seed(env), "TVC_SEED"
+        except argparse.ArgumentTypeError as exc:
+            raise pytest.UsageError(f"TVC_SEED: {exc}") from None
+    return random.SystemRandom().randrange(*SEED_RANGE), "random"
+
+
+_ACTIVE = pytest.StashKey[str]()
+_EARLY = pytest.StashKey[run_control.DeferInterrupts]()
+_REPORT = pytest.StashKey["RunReport"]()
+_NOTES = pytest.StashKey[list[str]]()  # extra header lines
+_SUITES_NOTE = pytest.StashKey[str]()  # the header line of _default_to_suites
+_SUITES_ONLY = pytest.StashKey[Path]()  # suites_dir() when the run was given it
+_RUN = pytest.StashKey[dict[str, Any]]()  # created_dir, interrupted, variant lines
+_HW_KEY = "tvc_hardware"
+_SEED_KEY = "tvc_seed"
+_DESELECTED_KEY = "tvc_deselected"  # workeroutput: the worker's deselection tally
+_VARIANTS_KEY = "tvc_variant_lines"  # workeroutput: device-variant lines
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """In a suite run: markers, profile, run folder, hardware probe, seed, xdist."""
+    early = config.stash.get(_EARLY, None)
+    deferred = early.restore() if early is not None else 0
+    # --help runs nothing: options only, no profile, no scratch, no hardware probe
+    reason = "" if config.option.help else suite_run_reason(config)
+    if reason:  # first: every hook that sees _ACTIVE may use the machinery
+        _load_machinery(config)
+    config.stash[_ACTIVE] = reason
+    if not reason:
+        if deferred:
+            raise KeyboardInterrupt
+        return  # not the suite's run: options only
+    for name, desc in read_markers().items():
+        config.addinivalue_line("markers", f"{name}: {desc}")
+    _default_to_suites(config)
+    from tvc.config.profile import (
+        ProfileError,
+        check_kv_transfer_config,
+        claim_owned_paths,
+        load,
+    )
+
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        run_control.release_worker_sigint()  # held since its start by the controller
+    config.stash[_NOTES] = [config.stash[_SUITES_NOTE]] if _SUITES_NOTE in \
+        config.stash else []
+    config.stash[_RUN] = {"created_dir": False, "interrupted": False,
+                          "variant_lines": [], "deselected": [],
+                          "early_signum": early.signum if early is not None else None,
+                          "started": time.time()}
+    term = run_control.TerminateLikeInterrupt()
+    if term.install():
+        config.stash[_RUN]["term"] = term
+        config.add_cleanup(term.restore)
+    _CONFIGS.append(config)
+    try:
+        profile = load(config.getoption("tvc_profile"))
+        if workerinput is None:
+            check_kv_transfer_config(profile)
+        claim_owned_paths(profile)
+    except ProfileError as exc:
+        raise pytest.UsageError(f"profile: {exc}") from None
+    require = resolve_require(config)
+    seed, seed_source = resolve_seed(config)
+    # the run folder first: a Ctrl-C from here on still leaves reports
+    rep = None if workerinput is not None else _open_run_folder(
+        config, profile, require, seed, seed_source)
+    if deferred:  # Ctrl-C during start-up: pytest reports the run as interrupted
+        raise KeyboardInterrupt
+    if workerinput is not None and _HW_KEY in workerinput:
+        hw = json.loads(workerinput[_HW_KEY])  # the controller probed once for all
+    else:
+        d = profile["daemon"]
+        hw = hardware.probe(d["device_globs"], d["mount_globs"],
+                            store_path=profile["store"]["path"],
+                            daemon_argv=d["argv"], kernel_module=d["kernel_module"])
+    state = session.RunState(profile=profile, hw=hw, require=require, seed=seed,
+                             seed_source=seed_source)
+    session.set_state(config, state)
+    if workerinput is not None:  # xdist worker: the controller writes the reports
+        if session.RUN_DIR_KEY in workerinput:
+            state.run_dir = Path(workerinput[session.RUN_DIR_KEY])
+        run_control.watch_parent(os.getppid())
+        return
+    if rep is not None:
+        rep.meta["hardware"] = hw
+        state.run_dir = rep.run_dir
+        config.pluginmanager.register(rep, "tvc-run-report")
+
+
+def _default_to_suites(config: pytest.Config) -> None:
+    """Outside a checkout, a run given no test path runs the suite's own tests.
+
+    pytest falls back to the directory it was started in when no path is given and
+    no ``testpaths`` applies; in a suite run from outside the checkout (an installed
+    wheel, ``pytest -m level1 --tvc-profile example``) that folder holds none of the
+    suite's tests, so the run collects :func:`tvc.config.paths.suites_dir` instead
+    (named in the header). Inside a checkout pytest's own choice stands.
+
+    The run is given the folder holding ``suites/`` (the package or the checkout)
+    and :func:`pytest_ignore_collect` keeps it to ``suites/``: the node ids are then
+    ``suites/<tier>/test_x.py::test_y`` as in the checkout, which
+    ``[[known_failures]]`` globs and merged run folders rely on.
+    """
+    if config.args_source != pytest.Config.ArgsSource.INVOCATION_DIR:
+        return
+    here = Path(config.invocation_params.dir).resolve()
+    if CHECKOUT is not None and here.is_relative_to(CHECKOUT):
+        return
+    suites = suites_dir()
+    config.args = [str(suites.parent)]
+    config.stash[_SUITES_ONLY] = suites
+    config.stash[_SUITES_NOTE] = (f"tests: {suites} (no test path given; give one "
+                                  "to run other tests)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config
+                          ) -> bool | None:
+    """Runs collecting the packaged suites: skip everything beside ``suites/``."""
+    suites = config.stash.get(_SUITES_ONLY, None)
+    if suites is not None and collection_path.parent == suites.parent and (
+            collection_path != suites):
+        return True
+    return None
+
+
+def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
+                     seed: int, seed_source: str) -> RunReport | None:
+    """Controller: xdist set-up, then the run folder and its :class:`RunReport`.
+
+    Returns:
+        the report, or None when nothing runs (``--help``, ``--collect-only``...).
+
+    Raises:
+        pytest.UsageError: the run folder cannot be written.
+
+    """
+    line = run_control.dist_line(config)
+    if line:
+        config.stash[_NOTES].append(line)
+        folder = Path(tempfile.mkdtemp(prefix="tvc-xdist-owners-"))
+        config.stash[run_control.OWNERS_DIR] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    opt = config.option
+    if opt.help or opt.markers or opt.showfixtures or opt.collectonly or getattr(
+            opt, "fixtures_per_test", False):
+        return None  # nothing runs: no run folder
+    opt_dir = config.getoption("tvc_report_dir")
+    report_dir = opt_dir or os.environ.get("TVC_REPORT_DIR")
+    own_tests = is_selftest_run(config)
+    run_dir = (Path(report_dir).expanduser().resolve() if report_dir
+               else reporting.default_run_dir(profile.name, selftests=own_tests,
+                                              invocation_dir=config.invocation_params.dir))
+    existed = run_dir.exists()
+    why = reporting.check_run_dir(run_dir)
+    if why:
+        where = OPTION_NAMES["tvc_report_dir"] if opt_dir else (
+            "TVC_REPORT_DIR" if report_dir else "reports/")
+        raise pytest.UsageError(f"{where}: cannot write reports: {why}")
+    config.stash[_RUN]["created_dir"] = not existed
+    if not config.option.xmlpath:
+        config.option.xmlpath = str(run_dir / "junit.xml")
+    meta = {
+        "run": {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "args": " ".join(sys.argv[1:]), "require": sorted(require),
+                "seed": seed, "seed_source": seed_source,
+                "markexpr": config.option.markexpr or "",
+                "keyword": config.option.keyword or "",
+                "xdist": line,
+                "kind": "selftests" if own_tests else "conformance"},
+        "profile": {"name": profile.name, "source": str(profile.source),
+                    "connector": profile["connector"]["name"],
+                    "kv_transfer_config": profile.kv_transfer_config(),
+                    "vllm_env": dict(profile["vllm"]["env"]),
+                    **_under_test(profile)},
+        "versions": reporting.versions(),
+        "hardware": {},
+    }
+    rep = reporting.RunReport(run_dir, meta)
+    rep.invocation_dir = config.invocation_params.dir
+    config.stash[_REPORT] = rep
+    return rep
+
+
+_QUIET_START = pytest.StashKey[run_control.QuietWorkerStart]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: Sequence[Any]) -> None:
+    """Controller: hold SIGINT away from the workers while they start."""
+    if not _active(config):
+        return
+    quiet = run_control.QuietWorkerStart(len(specs))
+    config.stash[_QUIET_START] = quiet
+    config.add_cleanup(quiet.stop)
+    quiet.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_newgateway(gateway: Any) -> None:
+    """Controller: a worker is spawned; unblock SIGINT after the last one."""
+    for config in _CONFIGS:
+        quiet = config.stash.get(_QUIET_START, None)
+        if quiet is not None:
+            quiet.spawned()
+
+
+def _under_test(profile: Any) -> dict[str, str]:
+    """``{"under_test": ...}`` where the profile runs the suite's stand-in store."""
+    from tvc.store.tutti_standin import under_test
+
+    what = under_test(profile.kv_transfer_config())
+    return {"under_test": what} if what else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """On the xdist controller: hand each worker the probe, seed and run folder."""
+    if not _active(node.config):
+        return
+    st = session.run_state(node.config)
+    node.workerinput[_HW_KEY] = json.dumps(st.hw)
+    node.workerinput[_SEED_KEY] = st.seed
+    folder = node.config.stash.get(run_control.OWNERS_DIR, None)
+    if folder is not None:
+        node.workerinput[run_control.OWNERS_DIR_KEY] = str(folder)
+    node.workerinput[run_control.LANES_KEY] = run_control.gpu_lanes(node.config)
+    if st.run_dir is not None:
+        node.workerinput[session.RUN_DIR_KEY] = str(st.run_dir)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist load``: the GPU owners run as one unit on one worker."""
+    if not _active(config) or config.option.dist not in ("load", "loadgroup"):
+        return None
+    return run_control.make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: Sequence[str]) -> None:
+    """On the xdist controller: the tests to run (every worker collects the same)."""
+    _expect(node.config, ids)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without xdist: the tests to run, so a cut-short run counts what never ran."""
+    if getattr(session.config, "workerinput", None) is None:
+        _expect(session.config, [i.nodeid for i in session.items])
+
+
+def _expect(config: pytest.Config, nodeids: Sequence[str]) -> None:
+    rep = _run_report(config)
+    if rep is not None and not config.option.collectonly:
+        rep.expect(nodeids)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """On the xdist controller: take a worker's deselection record (all agree)."""
+    if not _active(node.config):
+        return
+    out = getattr(node, "workeroutput", None) or {}
+    run = node.config.stash[_RUN]
+    if out.get(_DESELECTED_KEY) and not run["deselected"]:
+        run["deselected"] = list(out[_DESELECTED_KEY])
+        run["variant_lines"] = list(out.get(_VARIANTS_KEY, []))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Controller: keep every phase report for the run's timeline (tvc.plugin.timeline).
+
+    The innermost suite config of the process gets it (pytester runs nest).
+    """
+    config = _CONFIGS[-1] if _CONFIGS else None
+    if config is not None and not hasattr(config, "workerinput"):
+        config.stash[_RUN].setdefault("reports", []).append(report)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]
+                              ) -> Generator[None, pytest.TestReport,
+                                             pytest.TestReport]:
+    """A known failure is xfailed in its call phase only, and only for its symptom.
+
+    Setup errors stay errors; with the entry's ``match``, another failure of the
+    test body stays a failure (:func:`tvc.config.known_failures.check_symptom`).
+
+    Outermost wrapper: runs after pytest's skipping plugin has applied the xfail
+    (:func:`tvc.config.known_failures.keep_setup_errors`).
+    """
+    report = yield
+    if _active(item.config):
+        known_failures.keep_setup_errors(item, call, report)
+        known_failures.check_symptom(item, call, report)
+        known_failures.note_parent_defect(
+            item, call, report, session.run_state(item.config).profile)
+        _name_bare_assert(call, report)
+    return report
+
+
+def _name_bare_assert(call: pytest.CallInfo[Any], report: pytest.TestReport) -> None:
+    """A bare ``assert`` of the code under test: say where, not just "AssertionError".
+
+    pytest rewrites the suite's own asserts (they carry a message); an ``assert``
+    inside a connector or vLLM carries none, so the one-line message (summary,
+    JUnit) would be the bare type. It names the innermost frame and its source
+    line instead (:func:`tvc.plugin.error_hints.describe_failure`).
+    """
+    exc = call.excinfo.value if call.excinfo is not None else None
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if not (report.failed and isinstance(exc, AssertionError) and crash is not None
+            and not str(exc).strip()):
+        return
+    from tvc.plugin.error_hints import describe_failure
+
+    crash.message = f"AssertionError: {describe_failure(exc)}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """Deselect device variants the connector cannot run; group the GPU owners.
+
+    Also marks the profile's ``[[known_failures]]`` as strict xfails
+    (:mod:`tvc.config.known_failures`).
+    """
+    if not _active(config):
+        return
+    profile = session.run_state(config).profile
+    known_failures.apply(items, profile)
+    run = config.stash[_RUN]
+    for glob in known_failures.unmatched(items, profile):
+        run["variant_lines"].append(
+            f"known failure {glob!r} of {profile.source} matches no test of its "
+            "file: the test was renamed or re-parametrized — fix or drop the entry")
+    worker_devices = list(profile["connector"]["worker_devices"])
+    keep, dropped = run_control.split_device_variants(items, worker_devices)
+    for device, its in sorted(dropped.items()):
+        line = run_control.variant_line(device, len(its), worker_devices)
+        run["variant_lines"].append(line)
+        run["deselected"] = run_control.merge_tallies(
+            run["deselected"], run_control.tally(
+                its, f"[{device}] worker variants: connector.worker_devices = "
+                     f"{worker_devices!r}", reporting.TIER_MARKERS))
+    if dropped:
+        items[:] = keep
+        _own_deselection.update(id(i) for its in dropped.values() for i in its)
+        try:
+            config.hook.pytest_deselected(
+                items=[i for its in dropped.values() for i in its])
+        finally:
+            _own_deselection.clear()
+    lanes = run_control.gpu_lanes(config)
+    if config.pluginmanager.hasplugin("xdist"):
+        run_control.group_gpu_owners(items, lanes)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and run_control.OWNERS_DIR_KEY in workerinput:
+        run_control.write_owner_ids(Path(workerinput[run_control.OWNERS_DIR_KEY]),
+                                    str(workerinput.get("workerid", "gw")), items,
+                                    lanes)
+    _publish_deselected(config)
+
+
+_own_deselection: set[int] = set()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Record tests deselected by ``-m``/``-k`` or another plugin, per tier."""
+    if not items or id(items[0]) in _own_deselection:
+        return
+    config = items[0].config
+    if not _active(config):
+        return
+    opt = config.option
+    parts = [f"-m {opt.markexpr!r}" if opt.markexpr else "",
+             f"-k {opt.keyword!r}" if opt.keyword else ""]
+    why = " / ".join(p for p in parts if p) or "deselected by a plugin"
+    run = config.stash[_RUN]
+    run["deselected"] = run_control.merge_tallies(
+        run["deselected"], run_control.tally(items, why, reporting.TIER_MARKERS))
+    _publish_deselected(config)
+
+
+def _publish_deselected(config: pytest.Config) -> None:
+    run = config.stash[_RUN]
+    out = getattr(config, "workeroutput", None)
+    if out is not None:
+        out[_DESELECTED_KEY] = run["deselected"]
+        out[_VARIANTS_KEY] = run["variant_lines"]
+
+
+def pytest_report_collectionfinish(config: pytest.Config, start_path: Path,
+                                   items: Sequence[pytest.Item]) -> list[str]:
+    """Serial runs: say which device variants were deselected, one line each."""
+    if not _active(config):
+        return []
+    return [f"tvc: {line}" for line in config.stash[_RUN]["variant_lines"]]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End of the session (each xdist worker too): stores, reports, empty folders."""
+    if not _active(config):
+        return
+    with contextlib.suppress(ValueError):
+        _CONFIGS.remove(config)
+    with run_control.HoldInterrupts():  # a second Ctrl-C must not leave a store
+        run_store.remove_session_stores()
+        if not hasattr(config, "workerinput"):  # a worker killed on its way out
+            with contextlib.suppress(Exception):
+                run_store.remove_orphaned_stores(
+                    session.run_state(config).profile.scratch)
+    rep = config.stash.get(_REPORT, None)
+    if rep is None or rep.written:
+        return
+    run = config.stash[_RUN]
+    if _interrupted(config):  # Ctrl-C before the session could finish
+        _write_reports(config, rep, int(pytest.ExitCode.INTERRUPTED))
+    elif run["created_dir"]:  # e.g. a usage error after configure: no empty folder
+        with contextlib.suppress(OSError):
+            rep.run_dir.rmdir()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Remember a Ctrl-C (the reports say ``interrupted``); hold further ones back.
+
+    SIGTERM and SIGHUP arrive here as a ``KeyboardInterrupt`` too
+    (:class:`run_control.TerminateLikeInterrupt`); the reports then say
+    ``terminated``, and an xdist controller forwards the signal to its workers.
+
+    pytest formats the interrupt, stops the xdist workers and writes the reports
+    after this; a second Ctrl-C during that would abort it with a long traceback
+    and no reports, so from here SIGINT is held (:class:`run_control.HoldInterrupts`).
+    """
+    for config in _CONFIGS:
+        config.stash[_RUN]["interrupted"] = True
+        if not hasattr(config, "workerinput"):  # the controller stops the workers
+            _hold(config)
+            term = config.stash[_RUN].get("term")
+            if term is not None and term.signum and run_control.dist_line(config):
+                run_control.signal_children(term.signum)
+
+
+def _hold(config: pytest.Config) -> run_control.HoldInterrupts:
+    """Start holding SIGINT back until the end of the session (once per config)."""
+    run = config.stash[_RUN]
+    if run.get("hold") is None:
+        hold = run_control.HoldInterrupts()
+        hold.__enter__()
+        run["hold"] = hold
+        config.add_cleanup(lambda: hold.__exit__(None, None, None))
+    return run["hold"]
+
+
+# The suite's configs in this process (pytester nests them). Process-wide on purpose:
+# pytest_runtest_logreport and pytest_keyboard_interrupt get no config argument, and
+# a Ctrl-C must reach every open run. The run state itself is on each config.stash.
+_CONFIGS: list[pytest.Config] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Put the run-level facts into the JUnit ``<properties>`` (suite level)."""
+    config = session.config
+    rep = _run_report(config)
+    if rep is None:
+        return
+    from _pytest.junitxml import xml_key  # pytest's own key for its LogXML object
+
+    logxml = config.stash.get(xml_key, None)
+    if logxml is not None:
+        for name, value in rep.flat_properties():
+            logxml.add_global_property(name, value)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip (or fail, in strict mode) a test whose hardware level is absent."""
+    if not _active(item.config):
+        return
+    st = session.run_state(item.config)
+    for mark in item.iter_markers():
+        if mark.name.startswith("hw_") and mark.name != "hw_any":
+            level = mark.name[3:]
+            if not st.hw["levels"].get(level, False):
+                session.missing_hardware(level, hw=st.hw, strict=st.require)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Show profile, hardware levels, seed and the report folder at the top."""
+    if not _active(config):
+        return []
+    st = session.run_state(config)
+    levels = ", ".join(
+        f"{k}={'yes' if v else 'no'}" for k, v in st.hw["levels"].items())
+    lines = [f"profile: {st.profile.name} ({st.profile.source})",
+             f"hardware: {levels}; GPUs: {st.hw['gpu_count']}"
+             + (f" x {st.hw['gpus'][0]['name']}" if st.hw["gpus"] else ""),
+             f"strict (--tvc-require): {','.join(sorted(st.require)) or 'off'}",
+             f"seed: {st.seed} ({st.seed_source})"]
+    lines += config.stash.get(_NOTES, [])  # type: ignore[arg-type]
+    rep = config.stash.get(_REPORT, None)
+    if rep is not None:
+        lines.append(f"reports: {rep.run_dir}")
+    return lines
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Hold Ctrl-C back while xdist stops its workers and the reports are written."""
+    if _active(session.config) and not hasattr(session.config, "workerinput"):
+        _hold(session.config)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_sessionfinish")
+def pytest_sessionfinish_write_reports(session: pytest.Session, exitstatus: int
+                                    ) -> None:
+    """Write ``summary.json`` (and the summary page) next to the JUnit XML."""
+    config = session.config
+    rep = _run_report(config)
+    if rep is None:
+        return
+    if _interrupted(config):
+        exitstatus = int(pytest.ExitCode.INTERRUPTED)
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
+    status = _write_reports(config, rep, int(exitstatus))
+    if status != int(exitstatus):
+        session.exitstatus = status
+
+
+def _interrupted(config: pytest.Config) -> bool:
+    run = config.stash[_RUN]
+    hold = run.get("hold")
+    return bool(run["interrupted"] or (hold is not None and hold.count))
+
+
+def _terminating_signal(config: pytest.Config) -> str:
+    """The SIGTERM/SIGHUP that stopped the run ('' for Ctrl-C or none)."""
+    run = config.stash[_RUN]
+    for signum in (run.get("early_signum"),
+                   getattr(run.get("term"), "signum", None),
+                   getattr(run.get("hold"), "signum", None)):
+        if signum:
+            return signal.Signals(signum).name
+    return ""
+
+
+def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
+    rep.deselected = config.stash[_RUN]["deselected"]
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        rep.terminated_by = _terminating_signal(config)
+    exitstatus = _coverage(config, rep, exitstatus)
+    rep.write(exitstatus)
+    try:  # where the time went: servers and tests (timeline.json, charts/)
+        from tvc.plugin.timeline import test_spans, write_run_timeline
+
+        run = config.stash[_RUN]
+        write_run_timeline(rep.run_dir, test_spans(run.get("reports", [])),
+                           run.get("started"))
+    except Exception as exc:  # noqa: BLE001 - never fails a run
+        sys.stderr.write(f"timeline not written: {exc!r}\n")
+    xml = Path(config.option.xmlpath) if config.option.xmlpath else None
+    try:  # the outcome in junit.xml; the user's --junitxml and the run folder's
+        from tvc.plugin.report import finish_junit
+
+        finish_junit(rep, exitstatus, xml, str(config.getini("junit_suite_name")))
+    except Exception as exc:  # noqa: BLE001 - never lose the run's summary
+        sys.stderr.write(f"junit.xml not completed: {exc!r}\n")
+    try:  # the one-page summary (summary.md/.html, charts/); never fails a run
+        from tvc.plugin.summary_page import write_page
+
+        notes: list[str] = []
+        write_page(rep.run_dir, notes)
+        config.stash[_RUN]["page_note"] = " ".join(notes)
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write(f"summary page not written: {exc!r}\n")
+    return exitstatus
+
+
+COVERAGE_LEVEL = "coverage"  # --tvc-require coverage: strict API coverage
+
+
+def _coverage(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
+    """Add the coverage table to the report; in strict mode fail on a gap.
+
+    Only when a test recorded ``tvc_coverage`` (a contract run). Strict
+    (``--tvc-require coverage``): a connector method the connector overrides
+    that no test exercised with a meaningful input turns a passing run into a
+    failed one (exit 1), named on the terminal and in ``summary.json``.
+
+    Returns:
+        the exit status to report.
+
+    """
+    from tvc.contract.coverage import PROPERTY
+
+    logs = [{**t["properties"][PROPERTY], "test": t["nodeid"],
+             "outcome": t["outcome"]} for t in rep.tests.values()
+            if isinstance(t.get("properties", {}).get(PROPERTY), dict)]
+    if not logs:
+        return exitstatus
+    try:
+        from tvc.contract.coverage import coverage_table
+
+        cov = coverage_table(logs)
+    except Exception as exc:  # noqa: BLE001 - never lose the run's report
+        sys.stderr.write(f"coverage table not computed: {exc!r}\n")
+        return exitstatus
+    if not cov.get("connector"):  # no rig was built (the connector did not load):
+        return exitstatus         # a table of 0 exercised entries names nothing
+    strict = COVERAGE_LEVEL in resolve_require(config)
+    cov["strict"] = strict
+    rep.extra["coverage"] = cov
+    config.stash[_RUN]["coverage"] = cov
+    if strict and cov["missing_overridden"] and exitstatus == 0:
+        return int(pytest.ExitCode.TESTS_FAILED)
+    return exitstatus
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """Print deselected variants (xdist runs), chart notes and where the reports are."""
+    if not _active(config):
+        return
+    run = config.stash[_RUN]
+    if hasattr(config, "workerinput"):
+        return
+    if getattr(config.option, "tx", None) and getattr(config.option, "dist",
+                                                       "no") != "no":
+        for line in run["variant_lines"]:
+            terminalreporter.write_line(f"tvc: {line}")
+    if run.get("page_note"):
+        terminalreporter.write_line(f"tvc: {run['page_note']}")
+    cov = run.get("coverage")
+    if cov:
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(cov["counts"].items()))
+        terminalreporter.write_line(f"tvc: connector API and KV-setting coverage "
+                                    f"({cov['connector']}): {counts}")
+        for key in cov["new"]:
+            terminalreporter.write_line(f"tvc: {key}: new in this vLLM, not yet "
+                                        "covered by the suite")
+        if cov["missing_overridden"]:
+            verb = "FAILED (strict)" if cov["strict"] else "(strict mode fails)"
+            terminalreporter.write_line(
+                f"tvc: coverage {verb}: the connector overrides "
+                f"{', '.join(cov['missing_overridden'])} but no test exercised it "
+                "with a meaningful input")
+    rep = config.stash.get(_REPORT, None)
+    if rep is not None:
+        terminalreporter.write_line(
+            f"reports: {rep.run_dir}/ (summary.html for people, junit.xml, "
+            "summary.json)")

@@ -1,0 +1,595 @@
+"""How a suite run is scheduled and stopped: xdist grouping, variants, interrupts.
+
+Used by :mod:`tvc.plugin.hooks`; nothing here is a test.
+
+- **GPU owners in GPU lanes.** A test that starts a vLLM server, a storage
+  daemon or opens the GPU store (one of :data:`GPU_OWNER_FIXTURES`, or a test of a
+  tier in :data:`GPU_OWNER_TIERS`) gets ``xdist_group(GPU_OWNER_GROUP)``, and under
+  xdist's default ``--dist load`` the suite's scheduler (:func:`make_scheduler`)
+  sends all of them to one worker, one after another, instead of one
+  server/daemon/store per worker on the same GPU. With ``--tvc-gpu-lanes 2`` the
+  tests whose module plans its own servers (``tvc_servers``: load failures,
+  engine variants) form a second group (:data:`GPU_LANE_B`) on another worker;
+  each lane's server pool budgets its share of the GPU (docs/servers.md).
+  (xdist's own ``loadgroup`` cannot do it with pytest >= 9.1: it renames grouped
+  items through ``item._nodeid``, which pytest no longer reads.) Each worker
+  writes the node ids of the GPU owners it collected (with their lanes) into a
+  folder the controller gave it; the scheduler reads them once every worker has
+  collected.
+- **Device variants the connector cannot run.** The contract tier's worker tests are
+  parametrised by ``device`` (``cpu``, ``cuda``); a device the profile's
+  ``connector.worker_devices`` leaves out is deselected with one line, not skipped
+  once per variant.
+- **Interrupts.** An xdist worker watches its parent and exits (taking its own
+  children) when the controller is gone (SIGKILL); SIGTERM and SIGHUP stop a run
+  like Ctrl-C (:class:`TerminateLikeInterrupt`); Ctrl-C, SIGTERM or SIGHUP while
+  the run is finishing is held back until the reports are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+GPU_OWNER_GROUP = "tvc-gpu-owners"
+GPU_LANE_B = "tvc-gpu-owners-b"  # second GPU lane: tests that plan their own servers
+# fixtures that start a process on the GPU or open the GPU-direct store:
+# tvc/fixtures/vllm.py, tvc/fixtures/model.py, tvc/fixtures/trace.py,
+# tvc/fixtures/daemon.py,
+# tvc/fixtures/store.py
+GPU_OWNER_FIXTURES = ("vllm_server", "vllm_server_factory", "served_model",
+                      "trace_campaign", "storage_daemon", "store_spec", "gpu_store")
+GPU_OWNER_TIERS = ("e2e", "trace", "real_nvme", "bandwidth")
+DEVICE_PARAM = "device"  # the contract tier's worker-variant parameter
+WATCH_INTERVAL_S = 0.5  # parent poll period: a dead controller is seen within 0.5 s
+CHILD_GRACE_S = 1.5  # SIGTERM -> SIGKILL for a dead controller's grandchildren
+EXIT_PARENT_GONE = 3
+
+
+# ------------------------------------------------------------------ xdist grouping
+
+def owns_gpu(item: pytest.Item) -> bool:
+    """Whether ``item`` starts a GPU process or opens the GPU store (see module doc)."""
+    names = set(getattr(item, "fixturenames", ()))
+    if names.intersection(GPU_OWNER_FIXTURES):
+        return True
+    return any(item.get_closest_marker(t) is not None for t in GPU_OWNER_TIERS)
+
+
+def gpu_lane(item: pytest.Item, lanes: int = 1) -> str:
+    """The xdist group of a GPU owner: :data:`GPU_OWNER_GROUP` or :data:`GPU_LANE_B`.
+
+    With ``lanes >= 2``, a test whose module defines ``tvc_servers`` (it plans its
+    own vLLM servers, tvc/fixtures/vllm.py) runs in lane B; every other owner in lane A.
+    """
+    module = getattr(item, "module", None)
+    if lanes >= 2 and callable(getattr(module, "tvc_servers", None)):
+        return GPU_LANE_B
+    return GPU_OWNER_GROUP
+
+
+def group_gpu_owners(items: Iterable[pytest.Item], lanes: int = 1) -> int:
+    """Mark every GPU owner with ``xdist_group(<its lane>)`` (:func:`gpu_lane`).
+
+    Returns:
+        the number of items marked.
+
+    """
+    n = 0
+    for item in items:
+        if owns_gpu(item):
+            item.add_marker(pytest.mark.xdist_group(gpu_lane(item, lanes)))
+            n += 1
+    return n
+
+
+OWNERS_DIR = pytest.StashKey[Path]()  # controller: where workers list their owners
+OWNERS_DIR_KEY = "tvc_owners_dir"  # workerinput: the same folder
+
+
+def write_owner_ids(folder: Path, worker_id: str, items: Iterable[pytest.Item],
+                    lanes: int = 1) -> Path:
+    """Worker side: write the node ids of the GPU owners this worker collected.
+
+    Returns:
+        ``folder/owners-<worker_id>.json`` (a JSON object: node id -> lane).
+
+    """
+    ids = {i.nodeid: gpu_lane(i, lanes) for i in items if owns_gpu(i)}
+    path = folder / f"owners-{worker_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ids))
+    tmp.replace(path)  # whole file or none, should the controller look early
+    return path
+
+
+def read_owner_ids(folder: Path) -> dict[str, str]:
+    """Controller side: every worker's GPU-owner node ids and their lanes.
+
+    A list (one lane) reads as every id in :data:`GPU_OWNER_GROUP`.
+    """
+    out: dict[str, str] = {}
+    for path in sorted(folder.glob("owners-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(path.read_text())
+            if isinstance(data, list):
+                data = dict.fromkeys(data, GPU_OWNER_GROUP)
+            out.update(data)
+    return out
+
+
+def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False
+                   ) -> Any:
+    """The xdist scheduler: GPU owners as one unit on one worker, the rest balanced.
+
+    A ``LoadGroupScheduling`` (xdist's load balancing over scopes) in which every
+    GPU owner's scope is its lane (:func:`gpu_lane`); any other test is its own
+    scope, or with ``by_file`` its file's (the self-tests keep a module on one
+    worker). xdist sends the largest scopes first, so the lanes start at once.
+
+    Args:
+        config: the controller's config (holds :data:`OWNERS_DIR`).
+        log: xdist's scheduler log.
+        by_file: scope the other tests by file.
+
+    Returns:
+        the scheduler, or None when the plugin set up no owners folder.
+
+    """
+    found = config.stash.get(OWNERS_DIR, None)
+    if found is None:
+        return None
+    folder: Path = found
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GpuOwnerScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(config, log)
+            self._owners: dict[str, str] | None = None
+
+        def schedule(self) -> None:
+            self._owners = read_owner_ids(folder)  # every worker has collected
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._owners is None:
+                self._owners = read_owner_ids(folder)
+            if nodeid in self._owners:
+                return self._owners[nodeid]
+            if by_file:
+                return nodeid.split("::", 1)[0]
+            return super()._split_scope(nodeid)
+
+    return GpuOwnerScheduling()
+
+
+LANES_KEY = "tvc_gpu_lanes"  # workerinput: the controller's gpu_lanes()
+
+
+def gpu_lanes(config: pytest.Config) -> int:
+    """``--tvc-gpu-lanes``, else 2 with at least three xdist workers, else 1.
+
+    On an xdist worker: the controller's answer (``workerinput``).
+    """
+    given = getattr(config, "workerinput", {}).get(LANES_KEY)
+    if given:
+        return int(given)
+    value = getattr(config.option, "tvc_gpu_lanes", None)
+    if value:
+        return int(value)
+    workers = getattr(config.option, "numprocesses", None)
+    try:
+        return 2 if workers is not None and int(workers) >= 3 else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+def dist_line(config: pytest.Config) -> str:
+    """The header line about xdist distribution ('' when xdist does not distribute).
+
+    xdist turns ``-n N`` into ``--dist load`` in its ``pytest_cmdline_main``, before
+    any ``pytest_configure``; the suite's scheduler takes ``load`` and ``loadgroup``.
+    """
+    dist = getattr(config.option, "dist", "no")
+    if dist == "no" or not getattr(config.option, "tx", None):
+        return ""
+    if dist in ("load", "loadgroup"):
+        lanes = gpu_lanes(config)
+        return (f"xdist: --dist {dist}: tests that own a GPU server, daemon or store "
+                f"run one after another in {lanes} GPU lane(s) "
+                f"({GPU_OWNER_GROUP}{', ' + GPU_LANE_B if lanes > 1 else ''}); the "
+                "others are load-balanced")
+    return (f"xdist: --dist {dist} keeps its own order: GPU owners may run on several "
+            "workers at once; use --dist load to keep them on one")
+
+
+# -------------------------------------------------------------- device variants
+
+def device_of(item: pytest.Item) -> str | None:
+    """The ``device`` parameter of a contract-tier test, else None."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker("contract") is None:
+        return None
+    value = callspec.params.get(DEVICE_PARAM)
+    return value if isinstance(value, str) else None
+
+
+def split_device_variants(items: Sequence[pytest.Item],
+                          worker_devices: Sequence[str]
+                          ) -> tuple[list[pytest.Item], dict[str, list[pytest.Item]]]:
+    """Split off the device variants the connector's worker side cannot run.
+
+    Args:
+        items: the collected items.
+        worker_devices: the profile's ``connector.worker_devices``.
+
+    Returns:
+        (kept items, device -> deselected items).
+
+    """
+    keep: list[pytest.Item] = []
+    dropped: dict[str, list[pytest.Item]] = {}
+    allowed = set(worker_devices)
+    for item in items:
+        dev = device_of(item)
+        if dev is not None and dev not in allowed:
+            dropped.setdefault(dev, []).append(item)
+        else:
+            keep.append(item)
+    return keep, dropped
+
+
+def variant_line(device: str, count: int, worker_devices: Sequence[str]) -> str:
+    """``deselected 24 [cpu] worker variants: connector.worker_devices = ['cuda']``."""
+    return (f"deselected {count} [{device}] worker variants: "
+            f"connector.worker_devices = {list(worker_devices)!r}")
+
+
+def tally(items: Iterable[pytest.Item], why: str,
+          tiers: Sequence[str]) -> list[dict[str, Any]]:
+    """Deselected items per tier: ``[{"tier", "count", "why"}]``."""
+    c: Counter[str] = Counter()
+    for item in items:
+        tier = next((t for t in tiers if item.get_closest_marker(t) is not None),
+                    "other")
+        c[tier] += 1
+    return [{"tier": t, "count": n, "why": why} for t, n in sorted(c.items())]
+
+
+def merge_tallies(a: list[dict[str, Any]], b: list[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """Add up two tallies (same tier and reason: counts add)."""
+    c: Counter[tuple[str, str]] = Counter()
+    for row in (*a, *b):
+        c[row["tier"], row["why"]] += int(row["count"])
+    return [{"tier": t, "count": n, "why": w} for (t, w), n in sorted(c.items())]
+
+
+# ------------------------------------------------------------------- interrupts
+
+def kill_descendants(grace_s: float = CHILD_GRACE_S) -> None:
+    """SIGTERM every descendant of this process, SIGKILL what is left after grace."""
+    import psutil  # here: this module is imported while Ctrl-C is not yet deferred
+
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for p in kids:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(kids, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def signal_children(signum: int) -> list[int]:
+    """Send ``signum`` to this process's direct children (xdist workers).
+
+    A SIGTERM sent to the controller alone (``kill PID``, a CI runner stopping its
+    job) reaches no worker; forwarded, each worker stops its test like Ctrl-C
+    (:class:`TerminateLikeInterrupt`) and tears down what it started.
+
+    Returns:
+        the pids signalled.
+
+    """
+    import psutil
+
+    try:
+        kids = psutil.Process().children()
+    except psutil.Error:
+        return []
+    sent = []
+    for p in kids:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signum)
+            sent.append(p.pid)
+    return sent
+
+
+def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S
+                 ) -> threading.Thread:
+    """Exit this process (and its children) once ``parent_pid`` is no longer its parent.
+
+    An xdist worker's parent is the controller. A SIGKILLed controller cannot tell
+    its workers to stop, and a worker blocked on a test or a server would live on,
+    holding the GPU. Linux re-parents an orphan (to init or a subreaper), so a
+    changed ``os.getppid()`` means the controller is gone.
+
+    Args:
+        parent_pid: the controller's pid (``os.getppid()`` at start-up).
+        interval_s: poll period in seconds.
+
+    Returns:
+        the (daemon) watcher thread, started.
+
+    """
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent_pid:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"tvc: xdist controller {parent_pid} is gone; "
+                                     f"worker {os.getpid()} exits\n")
+                    kill_descendants()
+                os._exit(EXIT_PARENT_GONE)
+
+    t = threading.Thread(target=watch, name="tvc-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+class HoldInterrupts:
+    """Hold Ctrl-C (SIGINT) back while the run writes its reports.
+
+    A Ctrl-C during xdist's worker shutdown or pytest's report writing would
+    otherwise abort that code with a long ``KeyboardInterrupt`` traceback and leave
+    no reports. Inside the ``with`` block the first two SIGINTs are counted (one
+    line says so); the third raises ``KeyboardInterrupt`` as before. Only the main
+    thread can set signal handlers; elsewhere this does nothing.
+
+    SIGTERM and SIGHUP are held the same way (one count each).
+
+    Attributes:
+        count: SIGINTs, SIGTERMs and SIGHUPs received inside the block.
+        signum: the first SIGTERM/SIGHUP received inside the block, or None.
+
+    """
+
+    LIMIT = 3
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+        self._armed = False
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if signum != signal.SIGINT and self.signum is None:
+            self.signum = signum
+        if self.count >= self.LIMIT:
+            raise KeyboardInterrupt
+        if self.count == 1:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"\ntvc: {signal.Signals(signum).name} while "
+                                 "finishing: writing the reports first (two more "
+                                 "to abort)\n")
+
+    def __enter__(self) -> HoldInterrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {sig: signal.signal(sig, self._handler)
+                         for sig in (signal.SIGINT, *TERMINATING_SIGNALS)}
+            self._armed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._armed:
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
+            self._armed = False
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # CI runners, Kubernetes,
+#   a closed terminal: stopped like Ctrl-C, reported as run.outcome "terminated"
+
+
+class TerminateLikeInterrupt:
+    """SIGTERM and SIGHUP stop the run the way Ctrl-C does, and are remembered.
+
+    Their default action kills the interpreter on the spot: no pytest shutdown, no
+    ``summary.json``, no ``junit.xml``, servers and stores left behind. While
+    installed, either signal raises ``KeyboardInterrupt`` in the main thread, so
+    pytest (and xdist) stop the run, fixtures tear down their servers and workers,
+    the store folders are removed and the reports are written; :attr:`signum` lets
+    the reports say ``terminated`` instead of ``interrupted``. Only the main
+    thread can set handlers; a signal whose handler someone else set is left alone.
+
+    Attributes:
+        signum: the first terminating signal received, or None.
+
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def install(self) -> bool:
+        """Install the handlers (main thread, default handlers only); True if any."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in TERMINATING_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._old[sig] = signal.signal(sig, self._handler)
+        return bool(self._old)
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+class QuietWorkerStart:
+    """Ctrl-C during xdist's worker start reaches the controller, not the workers.
+
+    A worker is a fresh ``python -c`` that imports execnet before pytest; a SIGINT
+    then (the terminal sends it to every process of the group) prints the
+    worker's interpreter traceback over the output. While the controller spawns
+    a worker, SIGINT is blocked (``pthread_sigmask``; the mask is inherited by the
+    child), so the new worker starts with SIGINT held; the controller unblocks it
+    right after each spawn (a Ctrl-C held meanwhile is delivered to it then, and
+    it stops the run as usual). The worker releases it in its
+    ``pytest_configure`` (:func:`release_worker_sigint`), dropping a Ctrl-C held
+    during its start: the controller got the same one and stops the workers.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.left = workers
+        self.blocked = False
+
+    def start(self) -> None:
+        """Block SIGINT for the first spawn (main thread only)."""
+        if self.left > 0 and threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            self.blocked = True
+
+    def spawned(self) -> None:
+        """One worker is spawned: unblock after the last, or at once on a Ctrl-C.
+
+        A Ctrl-C held meanwhile is taken off the pending set and its handler is
+        called here, synchronously: left to the interpreter, the handler could run
+        only later, inside the next worker's spawn, which then leaves a worker
+        that never gets its bootstrap and prints a traceback when its stdin
+        closes (seen in CI, 1 of ~20 runs).
+        """
+        self.left -= 1
+        if not self.blocked:
+            return
+        if signal.SIGINT in signal.sigpending():
+            signal.sigtimedwait({signal.SIGINT}, 0)
+            self.stop()
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, None)
+            elif handler == signal.SIG_DFL:
+                raise KeyboardInterrupt
+        elif self.left <= 0:
+            self.stop()
+
+    def stop(self) -> None:
+        """Unblock SIGINT (a held one is delivered now)."""
+        if self.blocked:
+            self.blocked = False
+            self.left = 0
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def release_worker_sigint() -> bool:
+    """In a worker (see :class:`QuietWorkerStart`): unblock SIGINT, drop one held.
+
+    Returns:
+        True when SIGINT was blocked.
+
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, ()):
+        return False
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return True
+
+
+class DeferInterrupts:
+    """Defer Ctrl-C during pytest's start-up (conftests, option parsing).
+
+    SIGTERM and SIGHUP are deferred the same way (:attr:`signum` keeps which).
+    A KeyboardInterrupt raised while pytest loads conftests or parses options
+    escapes pytest with Python's full traceback and leaves no reports. The plugin
+    installs this from ``pytest_load_initial_conftests`` until its
+    ``pytest_configure``, which re-raises a deferred Ctrl-C once the run folder is
+    open (pytest then reports the run as interrupted). :meth:`restore` also runs as a
+    config clean-up, so an early exit (usage error) puts the handler back.
+
+    Attributes:
+        count: signals deferred.
+        signum: the first SIGTERM/SIGHUP deferred, or None.
+
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if signum != signal.SIGINT and self.signum is None:
+            self.signum = signum
+
+    def install(self) -> bool:
+        """Install the handlers (main thread, default handlers only); True if done."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return False
+        self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
+        for sig in TERMINATING_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._old[sig] = signal.signal(sig, self._handler)
+        return True
+
+    def restore(self) -> int:
+        """Put the previous handlers back; return the signals deferred meanwhile."""
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+        return self.count
+
+
+def defer_while_plugins_load() -> DeferInterrupts | None:
+    """Defer Ctrl-C from the moment pytest imports the suite's plugin entry point.
+
+    pytest imports every ``pytest11`` entry point before any hook runs; a Ctrl-C
+    then ends in an interpreter traceback from whatever module was importing.
+    Called at the top of :mod:`tvc.plugin.hooks` while ``load_setuptools_entrypoints``
+    is on the stack, this defers SIGINT from there; the plugin's
+    ``pytest_load_initial_conftests`` hands the deferral to the suite's run
+    (re-raised once the run folder is open) or, in anyone else's run, restores
+    the handler and raises a deferred Ctrl-C at once. Imported any other way,
+    nothing is done.
+
+    Returns:
+        the installed deferral, or None.
+
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "load_setuptools_entrypoints":
+            early = DeferInterrupts()
+            return early if early.install() else None
+        frame = frame.f_back
+    return None

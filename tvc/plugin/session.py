@@ -1,0 +1,116 @@
+"""Run-wide state: the profile, the hardware probe, strict mode, seed, run folder.
+
+Set once per pytest run by :mod:`tvc.plugin.hooks` in ``pytest_configure`` (before
+collection) on ``config.stash`` under :data:`STATE_KEY`. Tests and fixtures take it
+from the session fixtures of :mod:`tvc.fixtures.run_state` (``tvc_profile``,
+``tvc_hw``, ``tvc_strict``, ``tvc_seed``, ``tvc_run_dir``), which a user's
+``conftest.py`` may override; hooks and machinery that run outside a fixture read it
+with :func:`run_state` from the config they are given. There is no module global:
+nested pytest runs in one process (``pytester``) each keep their own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tvc.config.profile import Profile
+from tvc.env import hardware
+
+
+@dataclass
+class RunState:
+    """What one pytest run knows about its target and box.
+
+    Attributes:
+        profile: the loaded target profile.
+        hw: the hardware probe (see :func:`tvc.env.hardware.probe`).
+        require: hardware levels whose absence fails instead of skipping.
+        seed: the run seed for generated prompts (``--tvc-seed``, ``TVC_SEED``, else
+            random per run; xdist workers take the controller's); recorded in the
+            reports as ``run.seed``.
+        seed_source: where ``seed`` came from (``--tvc-seed``, ``TVC_SEED``,
+            ``random``, ``controller``).
+        run_dir: the run folder (``junit.xml``, ``summary.json``, ``logs/``,
+            ``trace/``, ``bandwidth.json``), the same on the xdist controller and its
+            workers; None when the run writes no reports (``--collect-only``,
+            ``--help``...). Files a test writes here reach the summary page.
+
+    """
+
+    profile: Profile
+    hw: dict[str, Any]
+    require: set[str] = field(default_factory=set)
+    seed: int = 0
+    seed_source: str = "default"
+    run_dir: Path | None = None
+
+
+STATE_KEY = pytest.StashKey[RunState]()  # config.stash: this run's RunState
+RUN_DIR_KEY = "tvc_run_dir"  # xdist workerinput key: the run folder
+
+
+def set_state(config: pytest.Config, state: RunState) -> None:
+    """Install the run state on ``config`` (called by the plugin)."""
+    config.stash[STATE_KEY] = state
+
+
+def run_state(config: pytest.Config) -> RunState:
+    """Return the run state of ``config``.
+
+    Raises:
+        RuntimeError: ``config`` is not a pytest run configured by this suite
+            (the plugin is inert there, or ``pytest_configure`` has not run yet).
+
+    """
+    state = config.stash.get(STATE_KEY, None)
+    if state is None:
+        raise RuntimeError("tvc run state read outside a suite run (config.stash "
+                           "holds none: not configured by tvc.plugin.hooks)")
+    return state
+
+
+def active(config: pytest.Config) -> bool:
+    """Whether ``config`` runs the suite (the plugin is inert in other runs)."""
+    return STATE_KEY in config.stash
+
+
+def run_dir(config: pytest.Config | None) -> Path | None:
+    """The run folder (see :attr:`RunState.run_dir`); None outside a suite run.
+
+    ``config`` may be None (a caller without a pytest config): then None.
+    """
+    stash = getattr(config, "stash", None)
+    state = stash.get(STATE_KEY, None) if stash is not None else None
+    return state.run_dir if state is not None else None
+
+
+def missing_hardware(level: str, detail: str = "", *, hw: dict[str, Any],
+                     strict: Collection[str]) -> None:
+    """Skip (or, in strict mode, fail) because a hardware level is absent.
+
+    Every hardware skip in the suite goes through here so that ``--tvc-require`` can
+    turn it into a failure and a GPU gate cannot pass by skipping. Tests and
+    fixtures call it through the ``tvc_missing_hardware`` fixture.
+
+    Args:
+        level: a level from :data:`tvc.env.hardware.LEVELS` (``gpu``, ``nvme``).
+        detail: an extra sentence about what the test needed it for.
+        hw: the run's hardware probe (``tvc_hw``).
+        strict: the levels whose absence fails (``tvc_strict``).
+
+    Raises:
+        pytest.skip.Exception: the level is not required.
+        pytest.fail.Exception: the level is required (strict mode).
+
+    """
+    reason = hardware.skip_reason(hw, level)
+    if detail:
+        reason = f"{detail} {reason}"
+    if level in strict:
+        pytest.fail(f"strict mode (--tvc-require {level}): {reason}", pytrace=False)
+    pytest.skip(reason)

@@ -1,0 +1,1 @@
+"""Processes the suite owns: vllm serve, the storage daemon, the pool, the client."""

@@ -1,0 +1,703 @@
+"""One owner for a ``vllm serve`` process, and the helpers the fixtures build it with.
+
+:class:`VllmServer` is a plain context manager. It builds the argv (model path, made
+absolute, ``--kv-transfer-config`` JSON, extra serve arguments), picks a free port
+itself (safe under pytest-xdist), copies the environment and applies the overrides
+vLLM needs here (``VLLM_SERVER_DEV_MODE=1`` for ``POST /reset_prefix_cache``,
+``HF_HUB_OFFLINE=1``), starts the server in its own session (process group), writes
+everything it prints to a log file, and polls ``/health`` until a deadline while
+checking that the process is alive: a server that dies first fails at once with the
+last log lines. Leaving the ``with`` block (success, failure, timeout, Ctrl-C)
+terminates the whole process group (SIGTERM, wait, SIGKILL) and checks with psutil
+that no process of the tree survived.
+
+One GPU server at a time: two vLLM servers starting on one GPU race for its memory
+(seen on the GPU host: "Available KV cache memory: -0.01 GiB"), so a server started
+with ``exclusive_gpu=True`` (the default) first *parks* (stops) any other exclusive
+server of this process, and logs that it did. A parked server's ``is_alive()`` is
+False; :meth:`VllmServer.ensure_running` starts it again. Under xdist the plugin
+runs every GPU owner on one worker (:mod:`tvc.plugin.run_control`), so the slot covers
+them;
+separate pytest processes are not coordinated: never run two at once on one GPU.
+
+The HTTP side (completions, streaming, ``/metrics``, the prefix-cache reset) is
+:mod:`tvc.procs.client`; import its names from there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from tvc.plugin.error_hints import hint_prefix
+from tvc.procs.client import ServerError, VllmClient
+from tvc.procs.polling import PollTimeout, wait_until
+from tvc.procs.process import alive, family, stop_tree
+from tvc.procs.server_env import server_environ
+from tvc.store.run_store import isolate_store_paths
+
+VLLM_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+              "PYTHONUNBUFFERED": "1"}
+# A tiny model starts in 55-92 s on the GPU host (seen by hand); a 7B model loads
+# for a few minutes. 600 s bounds both without hanging a run forever.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_STOP_TIMEOUT_S = 30.0  # SIGTERM grace before SIGKILL
+HEALTH_POLL_S = 0.5
+LOG_TAIL_LINES = 40
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vllm/envs.py (0.26 and 0.28), default INFO
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+# ----------------------------------------------------------------------------- ports
+
+def _port_registry() -> Path:
+    path = Path(tempfile.gettempdir()) / f"tvc-ports-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def free_port(host: str = "127.0.0.1", max_tries: int = 50) -> int:
+    """Pick a TCP port that is free now and not handed out before (by any process).
+
+    The OS picks the port (bind to port 0); the port is then claimed by creating
+    ``$TMPDIR/tvc-ports-<uid>/<port>`` with ``O_EXCL``, so two pytest-xdist workers
+    (or two calls in one process) never get the same port. Claims older than an hour
+    are forgotten.
+
+    Args:
+        host: interface to probe.
+        max_tries: attempts before giving up.
+
+    Returns:
+        a port number.
+
+    Raises:
+        ServerError: no unclaimed free port was found.
+
+    """
+    registry = _port_registry()
+    now = time.time()
+    for entry in registry.iterdir():
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > 3600:
+                entry.unlink()
+    for _ in range(max_tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        try:
+            fd = os.open(registry / str(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return port
+    raise ServerError(f"no free TCP port on {host} after {max_tries} tries")
+
+
+# ----------------------------------------------------------------------------- server
+
+_LIVE: set[VllmServer] = set()
+_LIVE_LOCK = threading.Lock()
+_GPU_HOLDER: list[VllmServer] = []  # the exclusive server running now (0 or 1)
+
+
+def _stop_all_at_exit() -> None:
+    for srv in list(_LIVE):
+        with contextlib.suppress(Exception):
+            srv.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+try:  # resolved in the parent: the child only calls it between fork and exec
+    _PRCTL: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the thread that started it exits."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+class VllmServer:
+    """Owns one ``vllm serve`` process (OpenAI API server) and its process group.
+
+    Use as a context manager; ``__enter__`` returns once ``/health`` answers 200::
+
+        with VllmServer(model, kv_transfer_config=cfg, serve_args=args,
+                        log_path=tmp / "server.log") as srv:
+            out = srv.client().complete([1, 2, 3])
+
+    Args:
+        model: local model directory (or name), passed as ``--model``.
+        kv_transfer_config: the ``--kv-transfer-config`` dict (JSON-encoded); None
+            for a server without a connector.
+        serve_args: extra arguments appended to the argv.
+        log_path: file the server's stdout and stderr go to (appended; created).
+        env: environment overrides on top of a copy of ``os.environ`` and
+            :data:`SERVER_ENV`.
+        host: interface to bind.
+        port: port to use; default: :func:`free_port` (new one on each start).
+        startup_timeout_s: seconds to wait for ``/health``.
+        stop_timeout_s: seconds between SIGTERM and SIGKILL at teardown.
+        launcher: the command before ``--model``; default
+            ``python -m vllm.entrypoints.openai.api_server`` with this interpreter.
+        cwd: working directory of the server; default the log file's folder (so
+            nothing in the repo root shadows the server's imports).
+        die_with_parent: ask Linux to SIGTERM the server when the thread that
+            started it exits (a last resort if pytest itself is killed); start the
+            server from a thread that outlives it.
+        exclusive_gpu: hold the process's one GPU-server slot: starting this
+            server first stops (parks) any other exclusive server of the process.
+            A server of a :class:`tvc.procs.pool.ServerPool` never parks another.
+        name: the server's name in the timeline and in messages; default the log
+            file's stem.
+        whole_gpu: in a pool, run alone on its GPU(s) (the large trace).
+
+    Attributes:
+        model: the ``--model`` value: an existing local path is made absolute
+            (the server runs with ``cwd`` as its working directory, so a relative
+            path would name another folder); anything else (a hub name) as given.
+        log_path: the log file.
+        port: the port of the current (or last) start; 0 before the first.
+        argv: the argv of the current (or last) start.
+        parked_by: the server whose start parked this one (None when not parked).
+        pool: the :class:`tvc.procs.pool.ServerPool` that admits and places it, or None.
+        placement_env: environment the pool adds (``CUDA_VISIBLE_DEVICES``).
+        placement_args: serve args the pool appends (``--kv-cache-memory-bytes``,
+            ``--gpu-memory-utilization``).
+        claimed: a caller started (or waited for) it; a prestarted server nobody
+            claimed yet may be stopped by the pool to make room.
+
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *,
+                 kv_transfer_config: Mapping[str, Any] | None = None,
+                 serve_args: Sequence[str] = (), log_path: str | os.PathLike[str],
+                 env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
+                 port: int | None = None,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
+                 launcher: Sequence[str] = VLLM_LAUNCHER,
+                 cwd: str | os.PathLike[str] | None = None,
+                 die_with_parent: bool = True, exclusive_gpu: bool = True,
+                 name: str | None = None, whole_gpu: bool = False) -> None:
+        self.model = absolute_model_path(model)
+        self.kv_transfer_config = (dict(kv_transfer_config)
+                                   if kv_transfer_config is not None else None)
+        self.serve_args = list(serve_args)
+        self.log_path = Path(log_path)
+        self.env_overrides = dict(env or {})
+        self.host = host
+        self._fixed_port = port
+        self.port = 0
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.launcher = list(launcher)
+        self.cwd = Path(cwd) if cwd is not None else self.log_path.parent
+        self.die_with_parent = die_with_parent
+        self.exclusive_gpu = exclusive_gpu
+        self.name = name or self.log_path.stem
+        self.whole_gpu = whole_gpu
+        self.pool: Any = None
+        self.placement_env: dict[str, str] = {}
+        self.placement_args: list[str] = []
+        self.claimed = False
+        self._bg: threading.Thread | None = None
+        self._bg_done = threading.Event()
+        self._bg_error: BaseException | None = None
+        self._bg_release = threading.Event()
+        self._cancel = False
+        self.parked_by: VllmServer | None = None
+        self.argv: list[str] = []
+        self.startup_s = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._family: dict[int, psutil.Process] = {}
+        self._survivors: list[psutil.Process] = []
+
+    # -- context manager ------------------------------------------------------------
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process (also its process-group id), or None."""
+        return self._proc.pid if self._proc is not None else None
+
+    def is_alive(self) -> bool:
+        """Whether the server process is running."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def client(self, timeout_s: float = 300.0) -> VllmClient:
+        """Return a new :class:`VllmClient` for this server."""
+        return VllmClient(self.url, timeout_s=timeout_s)
+
+    def build_argv(self, port: int) -> list[str]:
+        """Return the server's argv for ``port``."""
+        argv = [*self.launcher, "--model", self.model, "--host", self.host,
+                "--port", str(port)]
+        if self.kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return argv + self.serve_args + self.placement_args
+
+    def spec_key(self) -> str:
+        """Hex digest of what makes two servers interchangeable.
+
+        The launcher, model, ``--kv-transfer-config``, serve args and environment
+        overrides (not the port, log file or the pool's placement).
+        """
+        spec = [self.launcher, self.model, self.kv_transfer_config, self.serve_args,
+                sorted(self.env_overrides.items()), self.whole_gpu]
+        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()
+                              ).hexdigest()
+
+    def build_env(self) -> dict[str, str]:
+        """Return the server's environment (see :mod:`tvc.procs.server_env`).
+
+        ``os.environ`` less ``TVC_*`` and unknown ``VLLM_*`` names, then
+        :data:`SERVER_ENV`, then the overrides.
+        """
+        return {**server_environ(os.environ), **SERVER_ENV, **self.env_overrides,
+                **self.placement_env}
+
+    def log_offset(self) -> int:
+        """Return the log file's size in bytes (to read only what follows)."""
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def log_text(self, since: int = 0) -> str:
+        """Return the log from byte offset ``since`` (bad bytes replaced)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(since)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """Return the last ``lines`` lines of the log."""
+        with contextlib.suppress(FileNotFoundError):
+            size = self.log_path.stat().st_size
+            return "\n".join(
+                self.log_text(max(0, size - 200 * lines)).splitlines()[-lines:])
+        return ""
+
+    def log_note(self, text: str) -> None:
+        """Append a ``=== <time> <text>`` line to the log."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError), self.log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {text}\n".encode())
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Return the processes of the server's tree alive after :meth:`stop`."""
+        return [p for p in self._survivors if alive(p)]
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the server and wait for ``/health``.
+
+        A start that fails because the port was taken meanwhile is retried with a
+        new port (twice at most).
+
+        Raises:
+            ServerError: the process exited before ``/health`` answered 200, or the
+                deadline passed; the message has the last log lines. The process
+                group is gone when this raises.
+            KeyboardInterrupt: passed on after the process group is stopped.
+
+        """
+        if self._bg is not None:  # started in the background: wait for it
+            self._claim_background()
+            return
+        if self.is_alive():
+            if self.pool is not None:  # shared by the tests of one spec
+                self.claimed = True
+                return
+            raise ServerError(f"server already running (pid {self.pid})")
+        self.claimed = True
+        t0 = time.time()
+        self._start_direct()
+        if self.pool is not None:  # the caller waited for this start
+            self.pool.timeline.wait(self.name, t0, time.time())
+
+    def _start_direct(self) -> None:
+        self._cancel = False
+        if self.pool is not None:
+            self.pool.admit(self)
+        elif self.exclusive_gpu:
+            self._take_gpu_slot()
+        attempts = 1 if self._fixed_port else 3
+        try:
+            for attempt in range(attempts):
+                try:
+                    self._start_once()
+                    break
+                except ServerError as exc:
+                    self.stop()
+                    if (attempt + 1 < attempts and not self._cancel
+                            and "Address already in use" in str(exc)):
+                        if self.pool is not None:
+                            self.pool.admit(self)
+                        continue
+                    raise
+                except BaseException:
+                    self.stop()
+                    raise
+        except BaseException as exc:
+            if self.pool is not None:
+                self.pool.started(self, False, str(exc).splitlines()[0][:300])
+            raise
+        if self.pool is not None:
+            self.pool.started(self, True)
+
+    def start_in_background(self) -> None:
+        """Begin :meth:`start` in a thread; :meth:`start` later waits for it.
+
+        The thread lives until the server stops, so ``die_with_parent`` (which
+        ties the server to the thread that started it) keeps its meaning.
+        """
+        if self._bg is not None or self.is_alive():
+            return
+        self._bg_done.clear()
+        self._bg_release.clear()
+        self._bg_error = None
+        self._cancel = False
+
+        def run() -> None:
+            try:
+                self._start_direct()
+            except BaseException as exc:  # noqa: BLE001 - handed to start()
+                self._bg_error = exc
+            finally:
+                self._bg_done.set()
+            if self._bg_error is None:
+                self._bg_release.wait()
+
+        self._bg = threading.Thread(target=run, name=f"start-{self.name}",
+                                    daemon=True)
+        self._bg.start()
+
+    def start_pending(self) -> bool:
+        """Whether a background start was begun and nobody has waited for it yet."""
+        return self._bg is not None and not self.claimed
+
+    def _claim_background(self) -> None:
+        """Wait for the background start; raise its error (ServerError)."""
+        if not self._bg_done.is_set() and self.pool is not None:
+            self.pool.hurry(self)
+            t0 = time.time()
+            self._bg_done.wait()
+            self.pool.timeline.wait(self.name, t0, time.time())
+        self._bg_done.wait()
+        self.claimed = True
+        err, self._bg_error = self._bg_error, None
+        if err is not None:
+            self._bg = None
+            if isinstance(err, ServerError):
+                raise ServerError(f"server {self.name}: {err}") from None
+            raise err
+
+    def _take_gpu_slot(self) -> None:
+        """Park (stop) the exclusive server that holds the GPU slot, then take it.
+
+        Raises:
+            ServerError: the parked server left processes behind (they would hold
+                GPU memory the new server needs).
+
+        """
+        with _LIVE_LOCK:
+            holders = [s for s in _GPU_HOLDER if s is not self]
+            _GPU_HOLDER[:] = [self]
+        for other in holders:
+            if not other.is_alive():
+                continue
+            with contextlib.suppress(OSError), other.log_path.open("ab") as log:
+                log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} parked: one "
+                          f"vLLM server per GPU at a time, {self.log_path.name} "
+                          "starts\n".encode())
+            other.stop()
+            other.parked_by = self
+            left = other.leftovers()
+            if left:
+                raise ServerError(
+                    f"stopping the server of {other.log_path} to free the GPU left "
+                    f"{len(left)} process(es) alive: "
+                    + ", ".join(f"pid {p.pid}" for p in left)
+                    + "; kill them and report this as a suite bug")
+        self.parked_by = None
+
+    def ensure_running(self) -> bool:
+        """Start the server again if it is not running (parked, or died).
+
+        Returns:
+            True when it had to be started (new port, empty GPU prefix cache).
+
+        Raises:
+            ServerError: as :meth:`start`.
+
+        """
+        if self._bg is not None and not self.claimed:
+            self._claim_background()
+        if self.is_alive():
+            return False
+        self.stop()  # reap a dead process and free its port claim
+        self.start()
+        return True
+
+    def _start_once(self) -> None:
+        self.port = self._fixed_port or free_port(self.host)
+        self.argv = self.build_argv(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.cwd.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: "
+                      f"{' '.join(self.argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=self.build_env(), cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self._family = {}
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        proc = self._proc
+        t0 = time.monotonic()
+        health = f"{self.url}/health"
+
+        def healthy() -> bool:
+            self._remember_family()
+            rc = proc.poll()
+            if rc is not None:
+                recent = self.log_tail(400)  # known causes (tvc/plugin/error_hints.py)
+                recent = recent[recent.rfind("\n=== ") + 1:]  # this start only
+                raise ServerError(
+                    f"{hint_prefix(recent)}vLLM server exited with code {rc} after "
+                    f"{time.monotonic() - t0:.1f} s, before {health} answered; "
+                    f"log {self.log_path}, last lines:\n{self.log_tail()}")
+            try:
+                if requests.get(health, timeout=2.0).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            if self._cancel:
+                raise ServerError(f"vLLM server {self.name}: start cancelled (the "
+                                  "run is stopping)")
+            return False
+
+        try:
+            wait_until(healthy, self.startup_timeout_s, HEALTH_POLL_S,
+                       f"{health} to answer 200")
+        except PollTimeout:
+            raise ServerError(
+                f"vLLM server (pid {proc.pid}) did not answer {health} "
+                f"within {self.startup_timeout_s:.0f} s; raise the startup "
+                f"timeout or look at the log {self.log_path}, last lines:\n"
+                f"{self.log_tail()}") from None
+        self.startup_s = time.monotonic() - t0
+
+    def _remember_family(self) -> None:
+        """Record the process tree (children may leave the group; keep them known)."""
+        if self._proc is None:
+            return
+        for p in family(self._proc.pid):
+            self._family.setdefault(p.pid, p)
+
+    def stop(self) -> None:
+        """Stop the whole process tree: SIGTERM to the group, wait, then SIGKILL.
+
+        Idempotent; safe to call from ``finally``, atexit or after a failed start.
+        Afterwards :meth:`leftovers` lists any process of the tree that survived
+        (normally none).
+        """
+        if self._bg is not None and threading.current_thread() is not self._bg:
+            self._cancel = not self._bg_done.is_set()
+            self._bg_release.set()  # the starting thread may end now
+        proc = self._proc
+        if proc is None:
+            if self._bg is not None and self._bg_done.is_set():
+                self._bg = None
+            return
+        self._remember_family()
+        self._survivors = stop_tree(proc, self._family.values(),
+                                    grace_s=self.stop_timeout_s)
+        self._proc = None
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+            if self in _GPU_HOLDER:
+                _GPU_HOLDER.remove(self)
+        if self.port and not self._fixed_port:
+            with contextlib.suppress(OSError):
+                (_port_registry() / str(self.port)).unlink()
+        with contextlib.suppress(OSError), self.log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} stopped (exit "
+                      f"{proc.returncode})\n".encode())
+        if self._bg is not None and self._bg_done.is_set():
+            self._bg = None
+        self.claimed = False
+        if self.pool is not None:
+            self.pool.left(self)
+
+    def restart(self) -> None:
+        """Stop the server and start it again with the same arguments (new port)."""
+        self.stop()
+        self.start()
+
+
+def absolute_model_path(model: str | os.PathLike[str]) -> str:
+    """The ``--model`` value: an existing local path made absolute, else as given.
+
+    The server runs with its log folder as the working directory, so a relative
+    model path (e.g. resolved against the profile file's folder by a caller, or
+    typed relative to the repo root) must be absolute before it is handed over.
+
+    Args:
+        model: a local model directory (absolute or relative to the current
+            working directory) or a hub name such as ``meta-llama/Llama-3.1-8B``.
+
+    Returns:
+        the absolute path when ``model`` exists on disk, else ``str(model)``.
+
+    """
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else str(model)
+
+
+# ------------------------------------------------------------------- pytest fixtures
+
+RUN_DIR_KEY = "tvc_run_dir"  # workerinput key: the run folder (set by tvc.plugin.hooks)
+POOL_KEY = pytest.StashKey[Any]()  # config.stash: the run's tvc.procs.pool.ServerPool
+
+
+def current_test() -> str:
+    """Node id of the test running now (``PYTEST_CURRENT_TEST``), or ''."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+
+
+def run_log_dir(config: pytest.Config, profile: Any = None) -> Path:
+    """Folder for server logs: ``<run folder>/logs`` (the report folder of the run).
+
+    Falls back to ``<profile scratch>/logs`` when no run folder is known.
+
+    Args:
+        config: the pytest config (its run state names the run folder, the same
+            on xdist workers), or None outside pytest (then ``profile`` is needed).
+        profile: the profile whose scratch is the fallback; default the run's.
+
+    """
+    from tvc.plugin import session
+
+    folder = session.run_dir(config)
+    if folder:
+        return folder / "logs"
+    if profile is None:
+        profile = session.run_state(config).profile
+    return profile.scratch / "logs"
+
+
+def _log_name(config: pytest.Config, stem: str) -> str:
+    worker = getattr(config, "workerinput", {}).get("workerid", "main")
+    return f"{stem}-{worker}-{time.strftime('%H%M%S')}.log"
+
+
+def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
+                        stem: str = "vllm-server", *, profile: Any = None,
+                        **overrides: Any) -> VllmServer:
+    """Build a (not yet started) :class:`VllmServer` for the run's profile.
+
+    Args:
+        config: the pytest config (for the log folder, the run's profile and its
+            server pool).
+        model: the model directory (see :func:`tvc.env.model.served_model`).
+        stem: log file name stem.
+        profile: the :class:`tvc.config.profile.Profile` to serve (fixtures pass
+            ``tvc_profile``); default the run's (``config.stash``).
+        **overrides: keyword arguments for :class:`VllmServer` that replace the
+            profile's (``kv_transfer_config``, ``serve_args``, ``env``...).
+            Store paths inside the profile's scratch directory in the
+            ``kv_transfer_config`` used (the profile's or an override) are moved
+            to this session's store folder
+            (:func:`tvc.store.run_store.isolate_store_paths`): every server of the
+            session shares it, a restart keeps it, the session's end removes it.
+            A connector server (one with a ``kv_transfer_config``) logs at the
+            profile's ``connector.hit_log_level`` (``VLLM_LOGGING_LEVEL``, read by
+            vLLM 0.26 and 0.28 in vllm/envs.py) unless ``env`` sets it.
+            The profile's ``[vllm] env`` is the server's environment on top
+            of the process's; an ``env`` override adds to it, key by key.
+
+    Returns:
+        the server; use it as a context manager. When the run has a server pool
+        (:mod:`tvc.procs.pool`, on a GPU host), the pool's server of the same spec:
+        perhaps started already in the background, shared with the other tests
+        of that spec; its :meth:`VllmServer.start` waits for it.
+
+    """
+    if profile is None:
+        from tvc.plugin import session
+
+        profile = session.run_state(config).profile
+    kwargs: dict[str, Any] = {
+        "kv_transfer_config": profile.kv_transfer_config(),
+        "serve_args": profile["vllm"]["serve_args"],
+        "log_path": run_log_dir(config, profile) / _log_name(config, stem),
+    }
+    profile_env = {k: str(v) for k, v in dict(profile["vllm"].get("env") or {}
+                                               ).items()}
+    if profile_env:
+        kwargs["env"] = profile_env
+    kwargs.update(overrides)
+    if profile_env and "env" in overrides:  # an override adds to the profile's
+        kwargs["env"] = {**profile_env, **dict(overrides["env"] or {})}
+    level = dict(profile["connector"]).get("hit_log_level", "")
+    if level and kwargs.get("kv_transfer_config") is not None:
+        kwargs["env"] = {LOG_LEVEL_ENV: level, **dict(kwargs.get("env") or {})}
+    if kwargs.get("kv_transfer_config") is not None:
+        # this session's own store: no KV of an earlier run, removed at the end
+        kwargs["kv_transfer_config"] = isolate_store_paths(
+            kwargs["kv_transfer_config"], profile.scratch)
+    stash = getattr(config, "stash", None)  # None: a caller without a pytest config
+    pool = stash.get(POOL_KEY, None) if stash is not None else None
+    if pool is None:
+        return VllmServer(model, **kwargs)
+    kwargs.setdefault("name", stem)
+    kwargs["exclusive_gpu"] = False  # the pool places it; nothing is parked
+    user = current_test()
+    return pool.register(VllmServer(model, **kwargs), users=[user] if user else ())

@@ -1,0 +1,1 @@
+"""GPU-direct stores: adapters, checks, bandwidth, run stores, Tutti's stand-in."""

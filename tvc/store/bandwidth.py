@@ -1,0 +1,349 @@
+"""Store bandwidth: measurement, graded thresholds, reference lines and the chart.
+
+Figures are decimal GB/s (1 GB = 1e9 bytes, the unit of the operators' expectations)
+and binary GiB/s (1 GiB = 2**30 bytes). Every measurement moves ``TOTAL_BYTES`` (1 GiB)
+and is repeated ``REPETITIONS`` times; the summary is median, min and max.
+
+Page-cache honesty: before every read repetition the pool files are fsynced and dropped
+from the page cache (``posix_fadvise(DONTNEED)``, no root needed); a write repetition
+includes ``store.sync()``. Each figure carries a label: ``direct`` (the store bypasses
+the page cache), ``cache dropped`` (buffered I/O, cache dropped before reads) or
+``cached`` (neither could be ensured; the figure may be the page cache's speed).
+
+Thresholds (:func:`threshold_gbps`) follow the operators' graded expectations for one
+disk, the four disks of one NUMA node and the whole machine (8 disks); the profile's
+``[bandwidth]`` section sets the three points and ``num_disks``, and their defaults (the
+operators' figures) live only in ``tvc.config.profile.SCHEMA["bandwidth"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+GB = 1e9
+IO_SIZES = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)  # bytes per call
+TOTAL_BYTES = 1 * GIB  # bytes moved per measurement (the operators' spec: >= 1 GiB)
+REPETITIONS = 3  # repetitions per measurement
+GRADE_POINTS = ((1, "single_disk_gbps"), (4, "numa_node_gbps"), (8, "machine_gbps"))
+
+
+def summarize(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max throughput of repetitions that each moved ``nbytes``.
+
+    Args:
+        nbytes: bytes moved per repetition.
+        seconds: wall time of each repetition, s (> 0).
+
+    Returns:
+        ``median_gbps``, ``min_gbps``, ``max_gbps`` (1e9 B/s), the same in
+        ``*_gibps`` (2**30 B/s), ``reps`` and ``bytes``.
+
+    Raises:
+        ValueError: no repetitions, or a non-positive time.
+
+    """
+    if not seconds or min(seconds) <= 0:
+        raise ValueError(f"need positive repetition times, got {list(seconds)}")
+    rates = [nbytes / s for s in seconds]
+    med, lo, hi = statistics.median(rates), min(rates), max(rates)
+    return {"median_gbps": med / GB, "min_gbps": lo / GB, "max_gbps": hi / GB,
+            "median_gibps": med / GIB, "min_gibps": lo / GIB, "max_gibps": hi / GIB,
+            "reps": len(seconds), "bytes": nbytes}
+
+
+def threshold_gbps(num_disks: int, section: Mapping[str, Any]) -> tuple[float, str]:
+    """The GB/s a store on ``num_disks`` disks is expected to reach.
+
+    The graded points are (1 disk, ``single_disk_gbps``), (4, ``numa_node_gbps``),
+    (8, ``machine_gbps``); between two points the expectation is interpolated
+    linearly, beyond 8 disks it stays at ``machine_gbps``.
+
+    Args:
+        num_disks: disks the store uses (``[bandwidth] num_disks``), >= 1.
+        section: the profile's ``[bandwidth]`` section.
+
+    Returns:
+        (GB/s, a phrase naming the tier, e.g. ``"one NUMA node (4 disks)"``).
+
+    Raises:
+        ValueError: ``num_disks`` < 1.
+
+    """
+    if num_disks < 1:
+        raise ValueError(f"[bandwidth] num_disks must be >= 1, got {num_disks}")
+    names = {1: "one disk", 4: "one NUMA node (4 disks)",
+             8: "the whole machine (8 disks)"}
+    pts = [(n, float(section[k])) for n, k in GRADE_POINTS]
+    for n, v in pts:
+        if num_disks == n:
+            return v, names[n]
+    if num_disks > pts[-1][0]:
+        return pts[-1][1], f"{num_disks} disks (at least {names[8]})"
+    for (n0, v0), (n1, v1) in zip(pts, pts[1:], strict=False):
+        if n0 < num_disks < n1:
+            v = v0 + (v1 - v0) * (num_disks - n0) / (n1 - n0)
+            return v, (f"{num_disks} disks (interpolated between {names[n0]} and "
+                       f"{names[n1]})")
+    raise AssertionError("unreachable")
+
+
+def compare(direction: str, measured_gbps: float, threshold: float, tier: str,
+            label: str, io_size: int) -> str:
+    """An empty string when ``measured_gbps`` meets ``threshold``, else the failure.
+
+    Args:
+        direction: ``"write"`` or ``"read"``.
+        measured_gbps: the best median over the I/O sizes, GB/s.
+        threshold: expected GB/s (see :func:`threshold_gbps`).
+        tier: the tier phrase.
+        label: the page-cache label of the figure.
+        io_size: I/O size of the best median, bytes.
+
+    Returns:
+        "" or a sentence: expected, seen, what to do.
+
+    """
+    if measured_gbps >= threshold:
+        return ""
+    return (f"store {direction} throughput: expected >= {threshold:.2f} GB/s for "
+            f"{tier}, saw {measured_gbps:.2f} GB/s ({label}; best median over I/O "
+            f"sizes, at {io_size // KIB} KiB). Check that the profile's "
+            "[bandwidth] num_disks matches the disks the store really uses, that the "
+            "I/O path is GPU-direct, and that no other load shares the disks.")
+
+
+def drop_page_cache(paths: Iterable[Path | str]) -> bool:
+    """Flush and drop the page cache of regular files (no root needed).
+
+    Args:
+        paths: files; non-regular paths (devices, missing) are skipped.
+
+    Returns:
+        True when every regular file was flushed and dropped.
+
+    """
+    ok = True
+    for p in paths:
+        p = Path(p)
+        if not p.is_file():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError):
+            ok = False
+    return ok
+
+
+def cache_label(direct_io: bool, dropped: bool) -> str:
+    """``direct``, ``cache dropped`` or ``cached`` (see the module docstring)."""
+    if direct_io:
+        return "direct"
+    return "cache dropped" if dropped else "cached"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_store(store: Any, direction: str, io_size: int, device: str,
+                  total: int = TOTAL_BYTES, reps: int = REPETITIONS
+                  ) -> tuple[list[float], str]:
+    """Time ``reps`` passes of ``total`` bytes through the store in ``io_size`` calls.
+
+    Writes cover ``[0, total)`` with consecutive calls and end with ``store.sync()``;
+    reads cover the same range after the page cache of the pool is dropped.
+
+    Args:
+        store: an open :class:`tvc.store.gpu_direct.GpuDirectStore` of >= ``total``
+        bytes.
+        direction: ``"write"`` or ``"read"``.
+        io_size: bytes per call.
+        device: where the buffer lives (``"cuda"`` for the tier).
+        total: bytes per repetition (a multiple of ``io_size``).
+        reps: repetitions.
+
+    Returns:
+        (seconds per repetition, page-cache label).
+
+    """
+    import torch
+
+    from tvc.store.checks import pattern
+
+    if total % io_size or total > store.capacity:
+        raise ValueError(f"total {total} must be a multiple of {io_size} and fit "
+                         f"the pool ({store.capacity} bytes)")
+    buf = (pattern(0, io_size, 3, device) if direction == "write"
+           else torch.empty(io_size, dtype=torch.uint8, device=device))
+    op = store.write if direction == "write" else store.read
+    times, dropped = [], True
+    for _ in range(reps):
+        if direction == "read":
+            dropped = drop_page_cache(store.files()) and dropped
+        _sync(device)
+        t0 = time.perf_counter()
+        for off in range(0, total, io_size):
+            op(off, buf)
+        if direction == "write":
+            store.sync()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, cache_label(store.direct_io, dropped)
+
+
+def measure_kvikio_file(path: Path, direction: str, device: str,
+                        total: int = TOTAL_BYTES, reps: int = REPETITIONS
+                        ) -> list[float]:
+    """Time kvikio's own ``CuFile`` pread/pwrite of ``total`` bytes of ``path``.
+
+    One call per repetition with kvikio's default task size and thread pool, as
+    kvikio's own benchmark does; the page cache is dropped before each read.
+
+    Returns:
+        seconds per repetition.
+
+    Raises:
+        tvc.store.gpu_direct.StoreError: kvikio does not import.
+
+    """
+    import torch
+
+    from tvc.store.gpu_direct import import_kvikio
+
+    kvikio = import_kvikio()
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    if direction == "write":
+        buf.fill_(0x3C)
+    times = []
+    with kvikio.CuFile(str(path), "r+") as f:
+        for _ in range(reps):
+            if direction == "read":
+                drop_page_cache([path])
+            _sync(device)
+            t0 = time.perf_counter()
+            if direction == "write":
+                got = f.pwrite(buf, total, 0).get()
+                os.fsync(f.fileno())
+            else:
+                got = f.pread(buf, total, 0).get()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            if got != total:
+                raise RuntimeError(f"kvikio {direction} moved {got} of {total} bytes")
+    return times
+
+
+def measure_pinned_copy(total: int = TOTAL_BYTES, reps: int = REPETITIONS,
+                        chunk: int = 256 * MIB) -> dict[str, list[float]]:
+    """Pinned host <-> device copy times (the PCIe ceiling), ``total`` bytes each.
+
+    Returns:
+        ``{"h2d": [s, ...], "d2h": [s, ...]}``.
+
+    """
+    import torch
+
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    out: dict[str, list[float]] = {"h2d": [], "d2h": []}
+    for name, (dst, src) in (("h2d", (dev, host)), ("d2h", (host, dev))):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(total // chunk):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def best(per_size: Mapping[int, Mapping[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """The I/O size with the highest median, and its summary."""
+    size = max(per_size, key=lambda s: per_size[s]["median_gbps"])
+    return size, dict(per_size[size])
+
+
+def bar_chart(results: Mapping[str, Any], path: Path,
+              savefig: Callable[..., Any] | None = None) -> Path | None:
+    """Draw one PNG bar chart of the store's median GB/s per I/O size.
+
+    Write and read bars with min-max whiskers; the threshold and the reference
+    lines are horizontal lines.
+
+    Args:
+        results: ``{"write": {size: summary}, "read": {...}, "threshold_gbps",
+            "refs": {name: GB/s}, "title"}``.
+        path: the PNG to write.
+        savefig: for tests; default matplotlib's.
+
+    Returns:
+        ``path``; None when matplotlib (the ``plots`` extra) is not installed: the
+        figures are in ``bandwidth.json`` and the reports, and the summary page says
+        the charts were left out.
+
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results["write"])
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.38
+    for k, (direction, color) in enumerate((("write", "tab:blue"),
+                                            ("read", "tab:orange"))):
+        med = [results[direction][s]["median_gbps"] for s in sizes]
+        d = results[direction]
+        lo = [m - d[s]["min_gbps"] for m, s in zip(med, sizes, strict=True)]
+        hi = [d[s]["max_gbps"] - m for m, s in zip(med, sizes, strict=True)]
+        xs = [i + (k - 0.5) * width for i in range(len(sizes))]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, color=color,
+               label=f"store {direction} (median, min-max)")
+    styles = iter(("--", ":", "-.", (0, (5, 1)), (0, (1, 3))))
+    ax.axhline(results["threshold_gbps"], color="red", linestyle="-",
+               label=f"threshold {results['threshold_gbps']:.2f} GB/s")
+    for name, gbps in results.get("refs", {}).items():
+        if gbps:
+            ax.axhline(gbps, color="gray", linestyle=next(styles),
+                       label=f"{name} {gbps:.2f} GB/s")
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels([f"{s // KIB} KiB" if s < MIB else f"{s // MIB} MiB"
+                        for s in sizes])
+    ax.set_xlabel("I/O size per call")
+    # log scale: the PCIe reference line (~55 GB/s) would flatten disk-speed bars
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s (1e9 B/s), log scale")
+    ax.set_title(results.get("title", "store bandwidth"), fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (savefig or fig.savefig)(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_json(results: Mapping[str, Any], path: Path) -> Path:
+    """Write the measurement as JSON (I/O sizes as strings)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return path

@@ -1,0 +1,450 @@
+"""A fresh connector store location for every test session, removed at its end.
+
+A connector with a persistent store (vLLM's ExampleConnector writes each request's KV
+as files under ``kv_connector_extra_config.shared_storage_path``) remembers every
+prompt a run stored. Reusing the profile's store location across runs has two
+effects: a replayed run (same ``TVC_CONTRACT_NONCE``, same trace, same seeds) finds
+its prompts already stored, so a cold prompt is served warm (a false hit) or files
+written at another dtype are loaded; and the location grows by every run's KV,
+never removed.
+
+So the suite never hands the profile's store location to a connector as it is.
+:func:`isolate_store_paths` rewrites every value of ``kv_connector_extra_config``
+that names a path inside the profile's scratch directory (``${SCRATCH}/...`` in a
+profile) to the same relative path under this session's own folder,
+``<scratch>/run-stores/<pid>-<random>/`` (:func:`session_store_root`). The folder
+lives for the whole pytest session of this process (a store written before a server
+restart is still there after it, as ``suites/e2e/test_restart_persistence.py``
+needs) and is removed when the session ends (:func:`pytest_unconfigure`), or at
+interpreter exit outside pytest. Folders left by a killed run (their process is gone)
+are removed when the next session opens its own.
+
+Nothing here names a connector or a profile: the rule is "paths under the suite's
+scratch are the suite's; each session gets its own". A store outside the scratch
+directory (a daemon's device, a mount) is left as the profile says; the contract
+tier's per-run nonce keeps its prompts unknown to such a store.
+
+Ownership: the suite deletes only folders it made. Every folder made here holds an
+ownership marker (:data:`OWNER_MARKER`, JSON with the suite's name, the creating
+process id and the folder's id) written right after ``mkdir``; a folder is removed
+only when its marker is present and names this session (end of session) or a dead
+process with the folder's own ``<pid>-<id>`` (a killed run). A
+``run-stores/<pid>-<id>/`` folder someone else made, or a marker copied elsewhere, is
+left alone.
+:func:`make_owned_dir`, :func:`owner_of` and :func:`remove_owned_dir` are the same
+rule for other suite-made folders (the store pool uses them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+STORES_DIRNAME = "run-stores"  # <profile scratch>/run-stores/<pid>-<hex>/
+EXTRA_CONFIG_KEY = "kv_connector_extra_config"
+OWNER_MARKER = ".tvc-owned"  # JSON: {"suite", "pid", "id", "run", "created_utc"}
+SUITE = "tutti-vllm-conformance"
+RUN_ID = uuid.uuid4().hex[:12]  # this process's run, recorded in the markers it writes
+MAX_MARKER_BYTES = 4096  # a marker is a few dozen bytes; anything bigger is not ours
+
+# profile scratch (normalized) -> this process's store root. Process-wide on purpose:
+# the folders belong to the process (its pid is in their markers) and are removed
+# at exit and by signal handlers, where no pytest config is at hand.
+_ROOTS: dict[Path, Path] = {}
+_ATEXIT_REGISTERED = False
+
+
+def _norm(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.normpath(os.path.abspath(os.path.expanduser(path))))
+
+
+def _facts(folder_id: str = "") -> dict[str, Any]:
+    return {"suite": SUITE, "pid": os.getpid(), "id": folder_id or uuid.uuid4().hex[:8],
+            "run": RUN_ID,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _write_marker(marker: Path, facts: dict[str, Any]) -> None:
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(facts, fh)
+
+
+def _read_marker(marker: Path) -> dict[str, Any] | None:
+    try:
+        if marker.is_symlink() or not marker.is_file() or (
+                marker.stat().st_size > MAX_MARKER_BYTES):
+            return None
+        facts = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(facts, dict) or facts.get("suite") != SUITE:
+        return None
+    return facts
+
+
+def make_owned_dir(path: Path, folder_id: str = "") -> Path:
+    """Create ``path`` (its parents as needed) and mark it as made by this process.
+
+    Args:
+        path: a folder that must not exist yet.
+        folder_id: an id recorded in the marker (e.g. the ``<hex>`` of
+            ``<pid>-<hex>``); default a fresh random one.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        FileExistsError: ``path`` exists (the suite never adopts a folder).
+
+    """
+    path.mkdir(parents=True)
+    _write_marker(path / OWNER_MARKER, _facts(folder_id))
+    return path
+
+
+def ownership_problem(path: Path) -> str:
+    """Why the suite may not write or delete in folder ``path`` ('' when it may).
+
+    The suite owns a folder it created (this run or an earlier one: it holds the
+    suite's :data:`OWNER_MARKER`), one that does not exist yet (the suite creates
+    and marks it, :func:`claim_dir`) and an existing empty folder (adopted:
+    :func:`claim_dir` marks it). Anything else -- a folder of someone's files, a
+    file, a symlinked marker, a folder that cannot be read -- is not the suite's.
+
+    Args:
+        path: an absolute, normalised path.
+
+    Returns:
+        a phrase for a one-line error, e.g. ``"an existing folder of 3 entries
+        the suite did not create (no .tvc-owned marker)"``.
+
+    """
+    try:
+        if path.is_symlink():
+            return "a symbolic link (the suite owns only real folders)"
+        if not path.exists():
+            return ""
+        if not path.is_dir():
+            return "an existing file, not a folder"
+        if owner_of(path) is not None:
+            return ""
+        with os.scandir(path) as it:
+            entries = sum(1 for _ in it)
+    except OSError as exc:
+        return f"not usable ({exc.strerror or type(exc).__name__})"
+    if entries == 0:
+        return ""
+    return (f"an existing folder of {entries} entries the suite did not create (no "
+            f"{OWNER_MARKER} marker)")
+
+
+class NotOwnedError(OSError):
+    """A folder the suite would write in holds files it did not create."""
+
+
+def claim_dir(path: Path, adopt_unmarked: bool = False) -> Path:
+    """Make ``path`` a folder the suite owns: create and mark it, or adopt it.
+
+    Args:
+        path: the folder (absolute).
+        adopt_unmarked: also mark an existing non-empty folder without a marker
+            (only for the suite's own ``<repo>/.scratch`` area, whose folders
+            predate markers).
+
+    Returns:
+        ``path``, an existing folder holding the suite's marker.
+
+    Raises:
+        NotOwnedError: ``path`` exists and is not the suite's
+            (:func:`ownership_problem`).
+
+    """
+    why = "" if adopt_unmarked and path.is_dir() and not path.is_symlink() else (
+        ownership_problem(path))
+    if why:
+        raise NotOwnedError(f"{path}: {why}")
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):
+            make_owned_dir(path)
+    if owner_of(path) is None:
+        with contextlib.suppress(FileExistsError):
+            _write_marker(path / OWNER_MARKER, {**_facts(), "adopted": True})
+    return path
+
+
+def mark_if_missing(path: Path) -> Path:
+    """Create ``path`` with the suite's marker when it does not exist yet.
+
+    For the first writer of a folder outside a suite run (a rig built in a script,
+    a session store): a scratch made here is marked, so the next run accepts it.
+    An existing folder is left as it is (the load decided whether it may be used).
+
+    Returns:
+        ``path``.
+
+    """
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):
+            make_owned_dir(path)
+    return path
+
+
+def owned_ancestor(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that holds the suite's marker."""
+    for folder in (_norm(path), *_norm(path).parents):
+        if owner_of(folder) is not None:
+            return folder
+    return None
+
+
+def owner_of(path: Path) -> dict[str, Any] | None:
+    """The ownership marker of a folder the suite made, or None.
+
+    Returns:
+        the marker's facts (``suite``, ``pid``, ``id``, ``created_utc``) when
+        ``path`` is a real folder (not a symlink) holding a regular-file marker
+        written by this suite; None otherwise.
+
+    """
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return None
+    except OSError:
+        return None
+    return _read_marker(path / OWNER_MARKER)
+
+
+def file_marker(file: Path) -> Path:
+    """The ownership marker of a suite-made file: ``<file>.tvc-owned`` beside it."""
+    return file.with_name(file.name + OWNER_MARKER)
+
+
+def mark_file_owned(file: Path) -> None:
+    """Record that the suite makes ``file`` (call before creating it; idempotent)."""
+    with contextlib.suppress(FileExistsError):
+        _write_marker(file_marker(file), _facts())
+
+
+def file_owned(file: Path) -> bool:
+    """Whether ``file`` carries the suite's ownership marker."""
+    return _read_marker(file_marker(file)) is not None
+
+
+def remove_owned_file(file: Path) -> bool:
+    """Remove ``file`` and its marker, only if the suite's marker is there.
+
+    Returns:
+        True when it was removed.
+
+    """
+    if not file_owned(file) or file.is_symlink():
+        return False
+    file.unlink(missing_ok=True)
+    file_marker(file).unlink(missing_ok=True)
+    return True
+
+
+def remove_owned_dir(path: Path, pid: int | None = None, folder_id: str | None = None
+                     ) -> bool:
+    """Remove a folder only if the suite's marker in it names ``pid`` / ``folder_id``.
+
+    Args:
+        path: the folder.
+        pid: the creating process the marker must name (None = any).
+        folder_id: the id the marker must name (None = any).
+
+    Returns:
+        True when it was removed.
+
+    """
+    facts = owner_of(path)
+    if facts is None or (pid is not None and facts.get("pid") != pid) or (
+            folder_id is not None and facts.get("id") != folder_id):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
+
+
+def remove_if_only_marker(path: Path) -> bool:
+    """Remove a suite-made folder that holds nothing but its marker.
+
+    Returns:
+        True when it was removed.
+
+    """
+    if owner_of(path) is None:
+        return False
+    try:
+        if [p.name for p in path.iterdir()] != [OWNER_MARKER]:
+            return False
+        (path / OWNER_MARKER).unlink()
+        path.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def _split_name(folder: Path) -> tuple[int, str] | None:
+    pid_text, _, folder_id = folder.name.partition("-")
+    if not pid_text.isdigit() or not folder_id:
+        return None
+    return int(pid_text), folder_id
+
+
+def remove_orphaned_stores(scratch: Path) -> list[Path]:
+    """Remove ``<scratch>/run-stores/<pid>-<id>`` folders of runs that are gone.
+
+    A folder goes only when the suite's marker in it names that same pid and id
+    and the process no longer runs; anything else (no marker, another pid, a live
+    process, a symlink) is left alone.
+
+    Args:
+        scratch: the profile's scratch directory.
+
+    Returns:
+        the folders removed.
+
+    """
+    parent = _norm(scratch) / STORES_DIRNAME
+    removed: list[Path] = []
+    if not parent.is_dir() or parent.is_symlink():
+        return removed
+    for folder in sorted(parent.iterdir()):
+        name = _split_name(folder)
+        if name is None or name[0] == os.getpid() or psutil.pid_exists(name[0]):
+            continue
+        if remove_owned_dir(folder, pid=name[0], folder_id=name[1]):
+            removed.append(folder)
+    return removed
+
+
+def session_store_root(scratch: Path) -> Path:
+    """Return the store folder of this session under ``scratch`` (made on first use).
+
+    The same folder is returned for the whole life of the process (one pytest
+    session, or one xdist worker), so every connector, scheduler and server of the
+    session shares one store, and a server restart finds what was stored before it.
+
+    Args:
+        scratch: the profile's scratch directory (``profile.scratch``).
+
+    Returns:
+        ``<scratch>/run-stores/<pid>-<8 hex digits>``, an existing folder holding
+        only its ownership marker at first.
+
+    """
+    global _ATEXIT_REGISTERED
+    key = _norm(scratch)
+    root = _ROOTS.get(key)
+    if root is not None and root.is_dir():
+        return root
+    mark_if_missing(key)
+    remove_orphaned_stores(key)
+    parent = key / STORES_DIRNAME
+    if not parent.exists():
+        with contextlib.suppress(FileExistsError):  # another session made it first
+            make_owned_dir(parent)
+    folder_id = uuid.uuid4().hex[:8]
+    root = make_owned_dir(parent / f"{os.getpid()}-{folder_id}", folder_id)
+    _ROOTS[key] = root
+    if not _ATEXIT_REGISTERED:
+        atexit.register(remove_session_stores)
+        _ATEXIT_REGISTERED = True
+    return root
+
+
+def remove_session_stores(scratch: Path | None = None) -> list[Path]:
+    """Remove the store folders this process made (end of the session).
+
+    Args:
+        scratch: only the folder under this scratch directory; None = all.
+
+    Returns:
+        the folders removed (only those whose marker names this process).
+        ``<scratch>/run-stores`` itself goes too when the suite made it and no
+        other session's folder is left in it.
+
+    """
+    removed = []
+    keys = list(_ROOTS) if scratch is None else [_norm(scratch)]
+    for key in keys:
+        root = _ROOTS.pop(key, None)
+        if root is None:
+            continue
+        name = _split_name(root)
+        if name is not None and remove_owned_dir(root, pid=os.getpid(),
+                                                 folder_id=name[1]):
+            removed.append(root)
+        remove_if_only_marker(root.parent)
+    return removed
+
+
+def _relocate(value: Any, scratch: Path, root: Path) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _relocate(v, scratch, root) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_relocate(v, scratch, root) for v in value)
+    if isinstance(value, str) and value and os.path.isabs(
+            os.path.expanduser(value)):
+        path = _norm(value)
+        if path.is_relative_to(root):
+            return value  # already this session's
+        if path.is_relative_to(scratch):
+            return str(root / path.relative_to(scratch))
+    return value
+
+
+def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
+                        root: Path | None = None) -> dict[str, Any]:
+    """A copy of ``kv_transfer_config`` whose scratch store paths are this session's.
+
+    Every string in ``kv_connector_extra_config`` (nested dicts and lists included)
+    that is an absolute path equal to or inside ``scratch`` is moved to the same
+    relative path under ``root``; everything else is kept as it is.
+
+    Args:
+        kv_transfer_config: the dict vLLM takes (``profile.kv_transfer_config()``
+            or a test's variation of it); not modified.
+        scratch: the profile's scratch directory (``profile.scratch``).
+        root: the folder to move paths into; default :func:`session_store_root`
+            of ``scratch`` (created only when a path needs moving).
+
+    Returns:
+        the rewritten copy, e.g. ``{"shared_storage_path":
+        "<scratch>/example-store"}`` becomes ``{"shared_storage_path":
+        "<scratch>/run-stores/<pid>-<hex>/example-store"}``.
+
+    """
+    out = copy.deepcopy(dict(kv_transfer_config))
+    extra = out.get(EXTRA_CONFIG_KEY)
+    if not isinstance(extra, Mapping):
+        return out
+    scratch_n = _norm(scratch)
+    if root is None:
+        if not _mentions_scratch(extra, scratch_n):
+            return out
+        root = session_store_root(scratch_n)
+    out[EXTRA_CONFIG_KEY] = _relocate(extra, scratch_n, _norm(root))
+    return out
+
+
+def _mentions_scratch(value: Any, scratch: Path) -> bool:
+    if isinstance(value, Mapping):
+        return any(_mentions_scratch(v, scratch) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_mentions_scratch(v, scratch) for v in value)
+    return (isinstance(value, str) and bool(value)
+            and os.path.isabs(os.path.expanduser(value))
+            and _norm(value).is_relative_to(scratch))

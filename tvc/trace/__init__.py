@@ -1,0 +1,1 @@
+"""The trace tier: Mooncake-format traces, replay modes, the replay campaign."""

@@ -51,11 +51,16 @@ class TokenStats(KVConnectorStats):
 
 
 class ReportingExampleConnector(ExampleConnector):
-    """Correct: stats per interval, events per store, reset, skip-reading miss."""
+    """Correct: stats per interval, events per store, reset, skip-reading miss,
+    and a folder per model under ``shared_storage_path`` (one store, two models)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None
                  ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        from panel_connectors import FileChunkConnector
+
+        self._storage_path = os.path.join(
+            self._storage_path, FileChunkConnector.model_namespace(vllm_config))
         self._stats = TokenStats()
         self._events: list[Any] = []
         self._reqs: dict[str, Any] = {}

@@ -52,8 +52,17 @@ class NeverSendsConnector(DelayedFreePanelConnector):
 
 class SharedFileAcrossRanksConnector(SyncPanelConnector):
     """Fault (under TP > 1): every rank writes and reads the same file per chunk,
-    so the heads of whichever rank wrote last are what every rank loads. (The correct shape is
-    ``RankAwarePanelConnector``.)"""
+    so the heads of whichever rank wrote last are what every rank loads. (The
+    correct shape is ``RankAwarePanelConnector``.)"""
+
+
+class IgnoresTheModelConnector(SyncPanelConnector):
+    """Fault: one folder for every model (keys are vLLM's block hashes alone), so
+    an engine of another model on the same store loads this model's KV."""
+
+    @staticmethod
+    def model_namespace(vllm_config: Any) -> str:
+        return "all-models"
 
 
 class CapsHitAt2kConnector(SyncPanelConnector):

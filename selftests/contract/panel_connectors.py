@@ -13,7 +13,8 @@ shape) under ``kv_connector_extra_config["store_path"]``; a chunk is
 ``lcm(chunk_tokens, B)`` tokens (``chunk_tokens`` from the extra config, default
 B) and is keyed by vLLM's block hash of its last block, so the key covers the
 whole prefix, ``cache_salt`` and the LoRA adapter
-(``vllm/v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``). A file
+(``vllm/v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``), under a
+folder per model (the block hash does not cover the model). A file
 is written to a temporary name and renamed, so a lookup never sees a partial
 entry; every block carries a SHA-256 digest, checked before a byte is copied.
 
@@ -131,6 +132,7 @@ class FileChunkConnector(KVConnectorBase_V1):
         self.root = Path(str(ktc.get_from_extra_config("store_path", "")))
         if not str(self.root) or str(self.root) == ".":
             raise ValueError("kv_connector_extra_config: key store_path is required")
+        self.root = self.root / self.model_namespace(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.chunk = math.lcm(int(ktc.get_from_extra_config(
             "chunk_tokens", self.block_size)), self.block_size)
@@ -154,6 +156,16 @@ class FileChunkConnector(KVConnectorBase_V1):
         self._finished: set[str] = set()
 
     # ------------------------------------------------------------------ store
+    @staticmethod
+    def model_namespace(vllm_config: Any) -> str:
+        """Folder of this model's entries: vLLM's block hashes do not cover the
+        model, so one store shared by engines of different models keys by it
+        (model path, KV heads, head size, dtype, layers, TP size)."""
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        ident = (mc.model, mc.get_total_num_kv_heads(), mc.get_head_size(),
+                 str(mc.dtype), mc.get_num_layers(pc), pc.tensor_parallel_size)
+        return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
+
     def _path(self, key: str, rank: int) -> Path:
         name = f"{key}.r{rank}.safetensors" if self.RANK_FILES else \
             f"{key}.safetensors"

@@ -19,7 +19,9 @@ its own fault, in its own words:
 * the TP = 2 harness sets ``parallel_config.rank`` per rank;
 * the scheduler-only test acknowledges delayed frees; a real leak is still red;
 * a profile giving only ``connector.hit_rules`` has its hits checked;
-* a rig where no worker can run says so, never "leaks".
+* a rig where no worker can run says so, never "leaks";
+* a store shared by engines of two models: the panel keys by model, and a
+  variant that does not is red (vLLM's block hashes do not cover the model).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ RAN = ("test_second_pass_matches_declared_hit_rule[16]",
        "test_chunked_prefill_stores_the_whole_prompt[cpu]",
        "test_volume_of_stores_and_loads[cpu]",
        "test_connector_metadata_survives_scheduler_to_worker_serialization",
+       "test_another_model_on_one_store_gets_a_miss[cpu-same_shape]",
+       "test_another_model_on_one_store_gets_a_miss[cpu-head_size]",
+       "test_another_model_on_one_store_gets_a_miss[cpu-num_kv_heads]",
        "test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-D64-float16-cpu-NHD]")
 
 # member id -> (connector class, chunk_tokens, tensor_parallel_sizes, must pass)
@@ -251,3 +256,15 @@ def test_hit_rules_alone_check_the_scenarios_hits(cls: str, red: bool,
         return
     assert t["outcome"] == "failed", (t, run.tail(2000))
     assert "the profile's hit_rule expects" in t["message"], t["message"]
+
+
+def test_a_store_shared_by_two_models_is_caught(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "onemodel", "IgnoresTheModelConnector", 16,
+                       module="panel_bad_connectors",
+                       select=["suites/contract/test_connector_api.py", "-m",
+                               "contract", "-k", "another_model"])
+    for variant in ("same_shape", "head_size", "num_kv_heads"):
+        t = run.test(f"[cpu-{variant}]")
+        assert t["outcome"] == "failed", (t, run.tail(2000))
+        assert "its keys ignore the model, so model B reads model A's KV" in (
+            t["message"]), t["message"]

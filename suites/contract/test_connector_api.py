@@ -3,9 +3,10 @@
 Derived from vLLM's connector base class (see ``docs/coverage.md``): the stats vLLM
 aggregates, reduces and logs every step; the KV cache events it publishes; the
 connector reset behind ``reset_prefix_cache(reset_connector=True)``; requests that
-must not read cached KV (``prompt_logprobs``, ``skip_reading_prefix_cache``); and
-the answers vLLM reads outside a step (role, layout, handshake, push work). Each
-test drives vLLM's own scheduler (and the real worker side where the profile
+must not read cached KV (``prompt_logprobs``, ``skip_reading_prefix_cache``); a
+store that another model's engine shares (vLLM's block hashes do not cover the
+model); and the answers vLLM reads outside a step (role, layout, handshake, push
+work). Each test drives vLLM's own scheduler (and the real worker side where the profile
 allows) and compares the connector's answers with what the run stored and loaded.
 """
 
@@ -53,3 +54,13 @@ def test_answers_vllm_reads_outside_a_step(make_rig, contract_profile,
     out = S.run_scenario(S.answers_vllm_reads, make_rig, contract_profile,
                          record_property=record_property)
     assert out["hit_tokens"] > 0 and isinstance(out["piecewise"], bool), out
+
+
+@pytest.mark.parametrize("variant", sorted(S.OTHER_MODEL))
+def test_another_model_on_one_store_gets_a_miss(make_rig, contract_profile, variant,
+                                                record_property) -> None:
+    out = S.run_scenario(S.another_model_on_one_store, make_rig, contract_profile,
+                         variant, record_property=record_property)
+    # model A hit twice (the store outlives a connector); model B was not served
+    assert out["hit_a"] > 0 and out["hit_a_again"] > 0, out
+    assert out["hit_b"] == 0 or out["refused"], out

@@ -111,7 +111,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
                      device: str = "cpu", tensor_parallel_size: int = 1,
-                     kv_events: bool = False) -> Any:
+                     kv_events: bool = False, model_name: str = "tiny-llama") -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
 
     Args:
@@ -136,6 +136,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         kv_events: enable vLLM's KV cache events (``KVEventsConfig`` with
             ``enable_kv_cache_events=True`` and the ``null`` publisher), as
             ``--kv-events-config`` does; connectors then emit ``take_events``.
+        model_name: the model folder's name stem (``ModelConfig.model`` is its
+            path): another name is another model, even of the same shape.
 
     Returns:
         ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
@@ -153,7 +155,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     )
 
     model_dir = write_tiny_model(
-        scratch / f"tiny-llama-h{num_kv_heads}-d{head_size}-{dtype}",
+        scratch / f"{model_name}-h{num_kv_heads}-d{head_size}-{dtype}",
         num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0,
                                skip_tokenizer_init=True,

@@ -596,8 +596,10 @@ CURATED: dict[str, Curated] = {
         "which end truncation removes", "identical output", ""),
     # --- engine settings
     "config:ModelConfig.model": _C(
-        "another model's KV must never load (shapes or values differ)",
-        "a miss or a clean refusal naming the key", ""),
+        "another model's KV must never load (shapes or values differ); vLLM's "
+        "block hashes do not cover the model",
+        "a miss or a clean refusal naming the key",
+        "contract test_connector_api::test_another_model_on_one_store_gets_a_miss"),
     "config:ModelConfig.dtype": _C(
         "element type of every KV byte", "a miss or identical output", _SCEN),
     "config:ModelConfig.revision": _C(

@@ -1070,6 +1070,96 @@ def reset_cache_misses(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     return {"hit_before": hit, "hit_after": after}
 
 
+#: Model B of :func:`another_model_on_one_store`, as ``make_rig`` arguments over
+#: model A (the tiny Llama: 2 KV heads, head size 64, float16), with what differs.
+OTHER_MODEL: dict[str, tuple[dict[str, Any], str]] = {
+    "same_shape": ({"model_name": "tiny-llama-other"},
+                   "another model of the same shape (other weights, other KV)"),
+    "head_size": ({"head_size": 32}, "head size 32 instead of 64"),
+    "num_kv_heads": ({"num_kv_heads": 4}, "4 KV heads instead of 2"),
+}
+
+
+def _close_rig(rig: Rig) -> None:
+    """Shut a rig's worker down (its KV tensors, vLLM's distributed state).
+
+    The scheduler-side connector is left to the fixture's teardown; the next
+    rig of the same test then builds its own worker.
+    """
+    closer = getattr(rig.worker, "close", None)
+    if callable(closer):
+        closer()
+
+
+def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
+                               ) -> dict[str, Any]:
+    """One store, two models: a connector never serves one model's KV to another.
+
+    vLLM's block hashes cover token ids and the request's extra keys (LoRA,
+    cache salt, multimodal hashes), not the model (``vllm/v1/core/kv_cache_utils.py``
+    ``hash_block_tokens``): a store shared by engines of different models (a
+    disk, a daemon, LMCache's remote tier) must key its entries by what makes the
+    KV differ (``ModelConfig.model``, the KV shape and dtype, the rank) itself.
+
+    1. model A stores a prompt; a replay hits (premise);
+    2. a new connector of model A on the same store hits too (premise: the store
+       outlives a connector instance; an in-memory tier does not, nothing to check);
+    3. a connector of model B (:data:`OTHER_MODEL` ``variant``) on the same store
+       replays the prompt: a miss (0 matched tokens). Refusing to build for a
+       store that holds another model's KV is a clean answer too.
+
+    Returns:
+        ``hit_a``, ``hit_a_again``, ``hit_b`` (tokens) and ``refused`` (the
+        refusal's first line, or "").
+
+    Raises:
+        NotApplicable: the store does not outlive the connector instance.
+
+    """
+    kw, what = OTHER_MODEL[variant]
+    a = make_rig(block_size=BLOCK_SIZE)
+    stored, _replay_req, hit_a = _stored_then_served(profile, a)           # 1
+    finish(a)
+    _close_rig(a)
+    a2 = make_rig(block_size=BLOCK_SIZE)
+    again = _replay(a2, stored)
+    a2.driver.run(again)                                                   # 2
+    _local, hit_a2, _ = external_hit(a2.driver, again)
+    finish(a2)
+    _close_rig(a2)
+    if hit_a2 == 0:
+        raise NotApplicable(
+            f"a new connector on the same store got no hit for a prompt the first "
+            f"one stored ({hit_a} tokens then, 0 now): the store does not outlive a "
+            "connector instance, so no second model can read it")
+    try:
+        b = make_rig(block_size=BLOCK_SIZE, **kw)
+    except Exception as exc:  # noqa: BLE001 - a refusal is an answer; recorded
+        line = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        return {"hit_a": hit_a, "hit_a_again": hit_a2, "hit_b": 0,
+                "refused": f"{type(exc).__name__}: {line}"}
+    model_b = b.vllm_config.model_config.model
+    replay_b = _replay(b, stored)
+    crashed = ""
+    try:
+        b.driver.run(replay_b)                                             # 3
+    except Exception as exc:  # noqa: BLE001 - named in the failure below
+        first = (str(exc).splitlines() or [""])[0][:240]
+        crashed = f" Loading it then raised {type(exc).__name__}: {first}"
+    _local, hit_b, _ = external_hit(b.driver, replay_b)
+    b.driver.coverage.hit("config:ModelConfig.model",
+                          f"{variant}: {hit_b} tokens matched for the other model")
+    assert hit_b == 0 and not crashed, (
+        f"one store, two models: a connector for model B ({what}) answered {hit_b} "
+        f"matched tokens for a {stored.num_prompt_tokens}-token prompt only model A "
+        f"stored ({hit_a} tokens hit, {hit_a2} again after a restart): its keys "
+        "ignore the model, so model B reads model A's KV. Key stored entries by "
+        "what makes KV differ (ModelConfig.model, KV heads, head size, dtype, "
+        f"rank), not by vLLM's block hash alone (model B: {model_b}).{crashed}")
+    finish(b)
+    return {"hit_a": hit_a, "hit_a_again": hit_a2, "hit_b": hit_b, "refused": ""}
+
+
 SKIP_READING = {
     "prompt_logprobs": {"prompt_logprobs": 1},
     "skip_reading_prefix_cache": {"skip_reading_prefix_cache": True},

@@ -31,7 +31,23 @@ NO_TEST_ARGS = ("--co", "--collect-only", "-h", "--help", "--version", "-V",
 #: ladder order of the tiers; any other folder under suites/ runs after these
 TIER_ORDER = ("level1", "level2", "contract", "real_nvme", "e2e", "bandwidth",
               "trace")
-DEFAULT_WORKERS = 5  # xdist workers of a certification (CERTIFY_WORKERS)
+def default_workers(cpus: int | None = None) -> int:
+    """Number of xdist workers of a certification when ``CERTIFY_WORKERS`` is not set.
+
+    Two GPU lanes (the tests that start servers, daemons or stores) plus
+    ``cpus // 2 - 2`` others, at least 3 and at most 10: 5 on a 2-core box; 8 on
+    the 16-core H200 host, where 3 other workers left the CPU-bound contract
+    tier (exploration, ~800 s of test time) unfinished at 280 s (2026-12-02).
+
+    Args:
+        cpus: CPU cores (default ``os.cpu_count()``).
+
+    Returns:
+        the number of xdist workers (>= 5).
+
+    """
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return 2 + min(10, max(3, cpus // 2 - 2))
 
 
 def _err(prefix: str, text: str) -> None:
@@ -138,7 +154,8 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
             ``--tvc-trace-size=large``...).
         root_arg: the folder holding ``suites/`` (default: :func:`find_root`).
         env: the environment (default ``os.environ``): ``CERTIFY_WORKERS``
-            (xdist workers, default 5, 0 = none), ``TVC_REPORTS_ROOT`` (where the
+            (xdist workers, default :func:`default_workers`, 0 = none),
+            ``TVC_REPORTS_ROOT`` (where the
             run folder goes, default ``<root>/reports``), ``CERTIFY_DRY_RUN=1``
             (print the pytest command only).
 
@@ -161,7 +178,7 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
             return 2
         if a.split("=", 1)[0] in ("--ignore", "--ignore-glob"):
             partial.append(a)
-    raw = env.get("CERTIFY_WORKERS", str(DEFAULT_WORKERS))
+    raw = env.get("CERTIFY_WORKERS", str(default_workers()))
     if not raw.isdigit():
         _err("certify", f"CERTIFY_WORKERS={raw}: expected a whole number of xdist "
              "workers (0 = none)")
@@ -196,6 +213,13 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         xdist = ["-n", str(workers)]
         print(f"certify: {workers} xdist workers (servers, daemon and stores in GPU "
               "lanes)")
+        if "OMP_NUM_THREADS" not in env:
+            # each worker's torch would take every core: with the servers' starts
+            # beside them, 8 workers on 16 cores slowed server starts from ~35 s
+            # to ~105 s and one exploration family from ~94 s to ~234 s (H200 host)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+            print(f"certify: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (torch threads "
+                  "per worker; set it to override)")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist,
            *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
            f"--tvc-report-dir={run_dir}", *pytest_args]
@@ -326,7 +350,8 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("certify", help="every tier, strict, one run folder",
                        description="Certify PROFILE: every tier in one strict "
                        "pytest run; extra arguments go to pytest. Environment: "
-                       "CERTIFY_WORKERS (xdist workers, default 5, 0 = none), "
+                       "CERTIFY_WORKERS (xdist workers, default 2 GPU lanes + "
+                       "cores/2 - 2 others, 3 to 10; 0 = none), "
                        "TVC_REPORTS_ROOT, CERTIFY_DRY_RUN=1.")
     c.add_argument("--root", help="folder holding suites/ (default: the current "
                    "folder, else the checkout tvc was imported from)")

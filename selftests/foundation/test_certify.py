@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tvc.cli import default_workers
+
 REPO = Path(__file__).resolve().parents[2]
 CERTIFY = REPO / "scripts" / "certify.sh"
 
@@ -38,9 +40,20 @@ def test_dry_run_requires_the_profiles_hardware(profile, require) -> None:
         assert f"suites/{tier}" in cmd, cmd
 
 
-def test_workers_default_to_four_and_zero_turns_xdist_off() -> None:
+def test_workers_scale_with_the_cores_and_zero_turns_xdist_off() -> None:
     pytest.importorskip("xdist")
-    assert " -n 5 " in certify("example", CERTIFY_DRY_RUN="1").stdout
+    n = default_workers()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(["bash", str(CERTIFY), "example"], cwd=REPO, timeout=600,
+                         env={**env, "PYTHON": sys.executable, "CERTIFY_DRY_RUN": "1"},
+                         capture_output=True, text=True, check=False).stdout
+    assert f" -n {n} " in out, out
+    # torch threads per worker: the cores shared out, never below one
+    threads = max(1, (os.cpu_count() or 1) // n)
+    assert f"OMP_NUM_THREADS={threads} (torch threads per worker" in out, out
+    assert "OMP_NUM_THREADS=" not in certify("example", CERTIFY_DRY_RUN="1",
+                                             OMP_NUM_THREADS="3").stdout
+    assert (default_workers(2), default_workers(16), default_workers(128)) == (5, 8, 12)
     assert " -n " not in certify("example", CERTIFY_DRY_RUN="1",
                                  CERTIFY_WORKERS="0").stdout
 

@@ -7,6 +7,7 @@
 #   scripts/gpu/session.sh final      e2e negative control, then the trace tier of both profiles
 #   scripts/gpu/session.sh certify    scripts/certify.sh for each of $CERTIFY_PROFILES (default
 #                                     "example cpu-offload"), one after the other, 280 s each at most
+#   scripts/gpu/session.sh large      trace tier of cpu-offload-large (GPU cache pressure)
 #   scripts/gpu/session.sh controls   the e2e negative controls (each must see its bad connector)
 # Each pytest run writes its run folder under $RESULTS; everything is packed into
 # $OUT/results-<phase>.tgz (one file) and each run's last line is printed.
@@ -49,7 +50,7 @@ build_profile() {  # a copy of the example profile with the build preflight on
   printf '\n[build]\npreflight = true\nmin_free_gib = 20.0\n' >>"$RESULTS/example-build.toml"
 }
 
-case ${1:?phase: setup, tiers, trace, rerun, final, certify or controls} in
+case ${1:?phase: setup, tiers, trace, rerun, final, certify, large or controls} in
   setup)
     bash .bundle/unpack.sh "$STAGE" /root/vllm-bundle || exit 1
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -112,6 +113,9 @@ case ${1:?phase: setup, tiers, trace, rerun, final, certify or controls} in
       run=$(ls -dt "$RESULTS"/*-certify-"$p" 2>/dev/null | head -1)
       [ -n "$run" ] && python3 -c "import json,sys; print('\n'.join('  ' + l for l in json.load(open(sys.argv[1])).get('critical_path', [])))" "$run/timeline.json" 2>/dev/null
     done
+    ;;
+  large)  # the large trace under GPU-cache pressure (an 8B-shaped model, a GPU of its own)
+    pt trace-large -m trace --tvc-profile cpu-offload-large --tvc-require gpu
     ;;
   controls)  # every e2e negative control must pass (= its inner run caught the fault)
     pt e2e-negative selftests/e2e/test_negative_control.py \

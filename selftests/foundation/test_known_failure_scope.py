@@ -215,3 +215,29 @@ def test_a_bare_assert_of_the_code_under_test_names_where_it_was_raised() -> Non
     report = _FailedReport("AssertionError: saw 3, expected 2")
     _name_bare_assert(call, report)  # type: ignore[arg-type]
     assert report.longrepr.reprcrash.message == "AssertionError: saw 3, expected 2"
+
+
+def test_a_known_internal_check_of_vllm_names_its_cause(tmp_path) -> None:
+    """vLLM's ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``
+    (a finished_sending after vLLM freed the request at finished_recving) is named
+    as vLLM's check with the connector behaviour behind it."""
+    from tvc.plugin.error_hints import describe_failure
+
+    path = tmp_path / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("def _update_from_kv_xfer_finished(self, req_id):\n"
+                    "    assert req_id in self.requests\n")
+    scope: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), scope)  # noqa: S102
+
+    class Sched:
+        requests: dict = {}
+
+    with pytest.raises(AssertionError) as info:
+        scope["_update_from_kv_xfer_finished"](Sched(), "req-1")
+    text = describe_failure(info.value)
+    assert "assert req_id in self.requests — an internal check of vLLM's code" in text
+    assert "Known cause: get_finished named a request vLLM no longer tracks" in text
+    with pytest.raises(AssertionError) as info:
+        _connector_internal_check()
+    assert "an internal check of the connector's code" in describe_failure(info.value)

@@ -377,6 +377,32 @@ def strings_at(value: Any, where: str) -> list[tuple[str, str]]:
     return out
 
 
+def store_path_of(value: str) -> str | None:
+    """The filesystem path an ``extra_config`` string names, or None.
+
+    An absolute path; a ``file://`` URL (LMCache's ``local_disk``, for one); a
+    ``~`` path (the user's home, as the connector would expand it); a ``./`` or
+    ``../`` path (against the current folder). Other strings are not paths.
+
+    Args:
+        value: a string of ``connector.extra_config``.
+
+    Returns:
+        the absolute path, or None.
+
+    """
+    if "\0" in value:
+        return None
+    if value.startswith("file://"):
+        value = value.removeprefix("file://")
+        value = value if value.startswith("/") else ""
+    elif value == "~" or value.startswith("~/"):
+        value = os.path.expanduser(value)
+    elif value.startswith(("./", "../")):
+        value = os.path.abspath(value)
+    return value if value.startswith("/") else None
+
+
 def store_base(value: str) -> Path:
     """The folder a store path names, up to a templated part (``rank{LOCAL_RANK}``)."""
     parts = Path(os.path.normpath(value)).parts
@@ -388,7 +414,10 @@ def store_base(value: str) -> Path:
 
 def check_store_paths(extra: Mapping[str, Any], scratch: Path,
                       test_devices: list[str]) -> None:
-    """Every absolute path in ``extra_config`` outside scratch must be the suite's.
+    """Every path in ``extra_config`` outside scratch must be the suite's.
+
+    A path is what :func:`store_path_of` finds: absolute, ``file://``, ``~`` or
+    ``./``.
 
     The connector writes its store there and the contract tier's fault injection
     deletes, truncates and bit-flips what it finds there, so such a folder must be
@@ -405,13 +434,14 @@ def check_store_paths(extra: Mapping[str, Any], scratch: Path,
 
     """
     devices = {os.path.normpath(d) for d in test_devices}
-    for where, value in strings_at(extra, "connector.extra_config"):
-        if not value.startswith("/") or "\0" in value:
+    for where, raw in strings_at(extra, "connector.extra_config"):
+        value = store_path_of(raw)
+        if value is None:
             continue
         norm = store_base(value)
         if norm == scratch or norm.is_relative_to(scratch) or str(norm) in devices:
             continue
-        shown = shorten(value)
+        shown = shorten(raw)
         if len(value) > MAX_PATH_CHARS:
             raise Refusal(f"{shown} is longer than a path can be ({MAX_PATH_CHARS} "
                           "characters)", where)

@@ -48,6 +48,7 @@ from tvc.config.checks import (  # noqa: F401 - part of this module's API
     owned_dir,
     shorten,
     store_base,
+    store_path_of,
     strings_at,
     unsafe_dir_reason,
     why,
@@ -1133,9 +1134,10 @@ def claim_store_paths(profile: Profile) -> list[Path]:
 
     """
     done = []
-    for _where, value in strings_at(profile["connector"]["extra_config"],
-                                     "connector.extra_config"):
-        if not value.startswith("/") or "\0" in value or len(value) > MAX_PATH_CHARS:
+    for _where, raw in strings_at(profile["connector"]["extra_config"],
+                                   "connector.extra_config"):
+        value = store_path_of(raw)
+        if value is None or len(value) > MAX_PATH_CHARS:
             continue
         base = store_base(value)
         devices = {os.path.normpath(d) for d in profile["store"]["test_devices"]}

@@ -14,6 +14,7 @@ rebuilt and run on CPU; file:line are upstream's.
 from __future__ import annotations
 
 import linecache
+import os
 import re
 import traceback
 from collections.abc import Callable, Iterable
@@ -123,6 +124,15 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str | Callable[[str], str]], ...] = (
      "another process released GPU memory while this vLLM server profiled its "
      "memory at start-up (e.g. an xdist worker of this run exiting): not the "
      "connector; rerun, or run without -n (CERTIFY_WORKERS=0) on a shared GPU"),
+    # vllm/v1/core/sched/scheduler.py _update_from_kv_xfer_finished (0.26-0.33):
+    # a request finished while WAITING_FOR_REMOTE_KVS is freed at finished_recving
+    (re.compile(r"_update_from_kv_xfer_finished\)?: assert req_id in self\.requests"),
+     "get_finished named a request vLLM no longer tracks: a request that "
+     "finished while its KV was still being received (aborted, or failed under "
+     "kv_load_failure_policy=fail) is freed by vLLM at its finished_recving, "
+     "whatever request_finished answered, so get_finished must not name it in "
+     "finished_sending afterwards (request_finished should return False for a "
+     "request with nothing to save), nor name any request twice"),
     # stores/tutti_nvme/store.py:2013
     (re.compile(r"runtime=None 需要 TUTTI_NVME_PRESET"),
      "the tutti_nvme store needs TUTTI_NVME_PRESET (inline yaml/json or a file "
@@ -188,6 +198,9 @@ def describe_failure(exc: AssertionError) -> str:
         return text or "assertion failed (no message, no traceback)"
     frame = traceback.extract_tb(exc.__traceback__)[-1]
     line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-    return (f"assertion failed in {frame.filename}:{frame.lineno} ({frame.name}): "
-            f"{line} — an internal check of the code under test, not a message of "
-            "this suite")
+    whose = "vLLM's" if f"{os.sep}vllm{os.sep}" in frame.filename else "the connector's"
+    text = (f"assertion failed in {frame.filename}:{frame.lineno} ({frame.name}): "
+            f"{line} — an internal check of {whose} code, not a message of this "
+            "suite")
+    causes = explain(text)
+    return f"{text}. Known cause: {causes[0]}" if causes else text

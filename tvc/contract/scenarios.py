@@ -696,7 +696,16 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
     less = full is not None and ma < full
     when = at["state"]
     if not (reported or less or ra.status == failed):
-        errs = w.load_errors if w is not None else []
+        if w is None:
+            # the damage is in the bytes; what finds it is the worker's load
+            raise NotApplicable(
+                f"store fault '{kind}': the connector matched all {ma} tokens of the "
+                "damaged entries and no worker side runs on this device "
+                f"(connector.worker_devices = "
+                f"{profile['connector']['worker_devices']}) "
+                "to load them and find the damage: judged where the worker runs "
+                "(the [cuda] variant on a GPU host)")
+        errs = w.load_errors
         raise AssertionError(
             f"store fault '{kind}' of request {ra.request_id}'s entries ({when}): "
             "the connector neither reported it (get_block_ids_with_load_errors / "

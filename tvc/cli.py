@@ -128,6 +128,24 @@ def narrowed_by(summary: dict[str, Any]) -> str:
     return ", ".join(why)
 
 
+def selects(pytest_args: Sequence[str]) -> bool:
+    """Whether pytest arguments narrow the run to a selection of tests.
+
+    ``-k``/``-m`` (also ``-qk``, ``-k=``), ``--deselect``, ``--ignore*``, or a
+    test path or node id.
+    """
+    for a in pytest_args:
+        if a.startswith("--"):
+            if a.split("=", 1)[0] in ("--deselect", "--ignore", "--ignore-glob"):
+                return True
+        elif a.startswith("-"):
+            if "k" in a[1:].split("=", 1)[0] or "m" in a[1:].split("=", 1)[0]:
+                return True
+        elif "::" in a or a.endswith(".py") or a.startswith("suites"):
+            return True
+    return False
+
+
 def certify_verdict(rc: int, partial: Sequence[str], known: int) -> str:
     """The verdict of a certification run.
 
@@ -157,10 +175,13 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
             (xdist workers, default :func:`default_workers`, 0 = none),
             ``TVC_REPORTS_ROOT`` (where the
             run folder goes, default ``<root>/reports``), ``CERTIFY_DRY_RUN=1``
-            (print the pytest command only).
+            (print the pytest command only), ``CERTIFY_HW_CHECK=0`` (run a
+            full certification even where the box lacks hardware it needs).
 
     Returns:
-        pytest's exit status (0 = certified, or passed a selection); 2 for a
+        pytest's exit status (0 = certified, or passed a selection); 1 before
+        any test when a full certification needs hardware this box lacks
+        (:func:`strict_levels`, :func:`tvc.env.hardware.probe`); 2 for a
         usage error, 4 for a bad profile.
 
     """
@@ -199,6 +220,20 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         _err("certify", str(exc).replace("\n", " "))
         return 4
     require = ",".join(strict_levels(prof))
+    if not selects(pytest_args) and env.get("CERTIFY_HW_CHECK", "1") != "0" \
+            and not env.get("CERTIFY_DRY_RUN"):
+        from tvc.env.hardware import probe_profile, skip_reason
+
+        hw = probe_profile(prof)
+        absent = [lvl for lvl in strict_levels(prof) if not hw["levels"].get(lvl)]
+        if absent:  # strict: every such test would fail, after minutes of the rest
+            for lvl in absent:
+                _err("certify", f"{prof.name} needs --tvc-require {lvl}: "
+                     f"{skip_reason(hw, lvl)}")
+            _err("certify", f"{prof.name} NOT certified: not run, this box lacks "
+                 f"{', '.join(absent)} (CERTIFY_HW_CHECK=0 runs it anyway; each test "
+                 "that needs it then fails)")
+            return 1
     reports = Path(env.get("TVC_REPORTS_ROOT") or root / "reports")
     run_dir = reports / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}" \
                         f"-certify-{prof.name}"

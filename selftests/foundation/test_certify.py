@@ -116,3 +116,32 @@ def test_a_known_failure_is_a_finding_named_in_the_verdict(tmp_path) -> None:
     assert "not certified" in last and "CERTIFIED" not in last, last  # a -k run
     n_xfailed = out.count("certify: finding (xfailed):")
     assert f"with {n_xfailed} known defect(s) the profile accepts" in last, last
+
+
+def test_a_full_certification_refuses_up_front_without_the_hardware(tmp_path) -> None:
+    """Strict mode would fail every GPU or store test after minutes of the rest:
+    certify names each missing level with its fix and runs nothing (rc 1); a
+    selection (``-k``) still runs, as the tests above do."""
+    prof = tmp_path / "disk.toml"
+    prof.write_text(
+        '[profile]\nname = "disk"\nextends = "example"\n'
+        f'[store]\npath = "{tmp_path}/no/such/store"\n'
+        f'[scratch]\ndir = "{tmp_path}/scratch"\n')
+    r = certify(str(prof), TVC_REPORTS_ROOT=str(tmp_path / "reports"))
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "certify: disk needs --tvc-require nvme: no GPU-direct NVMe store:" \
+        in r.stderr and "Fix: " in r.stderr, r.stderr
+    assert "disk NOT certified: not run, this box lacks" in r.stderr, r.stderr
+    assert not (tmp_path / "reports").exists()  # no pytest run, no run folder
+    dry = certify(str(prof), CERTIFY_DRY_RUN="1")
+    assert dry.returncode == 0 and "--tvc-require=gpu,nvme" in dry.stdout
+
+
+@pytest.mark.parametrize(("args", "narrows"), [
+    ([], False), (["-x", "--tvc-trace-size=large", "-p", "no:cacheprovider"], False),
+    (["-k", "x"], True), (["-qk", "x"], True), (["-m=e2e"], True),
+    (["--deselect=suites/e2e"], True), (["suites/e2e/test_x.py::test_y"], True)])
+def test_what_counts_as_a_selection(args, narrows) -> None:
+    from tvc.cli import selects
+
+    assert selects(args) is narrows

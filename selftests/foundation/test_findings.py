@@ -55,6 +55,10 @@ def test_tutti_defects_are_named_from_their_symptoms() -> None:
             "--tvc-profile=/x/profiles/tutti-public.toml --tvc-seed=7" in f["rerun"]
     assert all(f["reproduction"] and f["source"] for f in got[:5])
     assert got[-1]["outcome"] == "xfailed"
+    # a strict run's red reruns strict: without --tvc-require it could skip
+    strict = findings(tests[-3:-2], PROFILE, seed=7, require=["nvme", "gpu"])
+    assert strict[0]["rerun"].endswith("--tvc-seed=7 --tvc-require=gpu,nvme"), strict
+    assert "--tvc-require" not in got[-1]["rerun"]
 
 
 def test_a_symptom_elsewhere_is_not_that_defect() -> None:

@@ -139,7 +139,8 @@ CATALOGUE: tuple[KnownDefect, ...] = (
 
 
 def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
-             seed: Any = None, pythonpath: str = "") -> list[dict[str, Any]]:
+             seed: Any = None, pythonpath: str = "",
+             require: Iterable[str] = ()) -> list[dict[str, Any]]:
     """The findings of a run, from its ``summary.json`` test entries.
 
     Args:
@@ -148,6 +149,8 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
         seed: the run's seed (``--tvc-seed``), for the rerun command.
         pythonpath: the run's ``PYTHONPATH`` (where an out-of-tree connector's
             module was found), put in front of the rerun command when set.
+        require: the run's strict levels (``--tvc-require``), kept in the rerun
+            command so that a strict red reruns strict (a skip otherwise).
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -157,6 +160,7 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
 
     """
     prof = str(profile.get("source") or profile.get("name") or "")
+    levels = ",".join(sorted(require))
     out: dict[str, dict[str, Any]] = {}
     for t in tests:
         if t.get("outcome") not in ("failed", "error", "xfailed"):
@@ -171,6 +175,8 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             rerun.append(f"--tvc-profile={prof}")
         if seed is not None:
             rerun.append(f"--tvc-seed={seed}")
+        if levels:
+            rerun.append(f"--tvc-require={levels}")
         entry = out.setdefault(key, {
             "key": known.key if known else "test",
             "title": known.title if known else f"{nodeid} {t.get('outcome')}",

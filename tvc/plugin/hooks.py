@@ -469,10 +469,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if workerinput is not None and _HW_KEY in workerinput:
         hw = json.loads(workerinput[_HW_KEY])  # the controller probed once for all
     else:
-        d = profile["daemon"]
-        hw = hardware.probe(d["device_globs"], d["mount_globs"],
-                            store_path=profile["store"]["path"],
-                            daemon_argv=d["argv"], kernel_module=d["kernel_module"])
+        hw = hardware.probe_profile(profile)
     state = session.RunState(profile=profile, hw=hw, require=require, seed=seed,
                              seed_source=seed_source)
     session.set_state(config, state)

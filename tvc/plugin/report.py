@@ -258,7 +258,8 @@ class RunReport:
             **self.extra,
         }
         summary["findings"] = findings(summary["tests"], summary.get("profile", {}),
-                                       run.get("seed"), run["pythonpath"])
+                                       run.get("seed"), run["pythonpath"],
+                                       run.get("require") or ())
         run["outcome_reason"] = outcome_reason(summary)
         self.summary = summary
         path = self.run_dir / "summary.json"

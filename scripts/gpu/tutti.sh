@@ -9,6 +9,8 @@
 #   3. e2e with the tiny Llama of 8 KV heads: the layout limit, a clear red;
 #   4. contract, CUDA worker round trip for tutti-public (vLLM's defaults: the V2
 #      runner's per-layer KV, expected red naming the runner).
+# `tutti.sh order`: only the e2e block-boundary and concurrency tests, once per
+# store.options.order of the stand-in store (events, stream, sync), a diagnostic.
 # Results (run folders, logs) under $OUT/tutti/, plus $OUT/tutti/SUMMARY.txt.
 # Needs: Tutti's integration/vllm-connector at $TUTTI_SRC (default
 # .tutti/integration/vllm-connector or .tutti, carried to the host), the bundle at
@@ -91,6 +93,30 @@ for f in s.get("findings") or []:
 EOF
 }
 
+if [ "${1:-}" = "order" ]; then
+  # Diagnostic: the e2e reds of the stand-in's default order (kB = 64 tokens,
+  # concurrency) again under store.options.order = events / stream / sync. A red
+  # that stays under "sync" is no ordering race of the stand-in store.
+  python3 -m pytest -p no:cacheprovider -q -rA \
+    selftests/foundation/test_tutti_standin_store.py --tvc-require gpu \
+    >"$res/standin-selftest.log" 2>&1
+  say "[standin-selftest] rc=$? $(tail -1 "$res/standin-selftest.log")"
+  for order in events stream sync; do
+    cat >"$res/order-$order.toml" <<EOF2
+[profile]
+name = "tutti-public-v1-$order"
+extends = "tutti-public-v1"
+[connector]
+extra_config = { chunk_tokens = 32, max_chunks_per_wave = 8, store = { type = "tvc_standin", options = { num_chunks = 4096, order = "$order" } } }
+EOF2
+    pt "order-$order" suites/e2e/test_external_prefix_hit.py \
+      suites/e2e/test_concurrency.py -m e2e -k "block_boundaries or concurrent" \
+      --tvc-profile="$res/order-$order.toml" --tvc-require gpu \
+      --tvc-seed="${TVC_SEED:-1708249249}"
+  done
+  say "total $((SECONDS))s"
+  exit 0
+fi
 RT="suites/contract/test_worker_roundtrip.py"
 # 2. contract, CUDA worker on the V1 runner: 1, 2 and 8 KV heads, NHD and HND
 pt contract-v1 "$RT" -k "cuda and B16 and D64 and float16" \

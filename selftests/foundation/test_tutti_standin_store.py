@@ -110,6 +110,8 @@ def test_register_buffer_refuses_what_it_cannot_serve() -> None:
     ({"num_chunks": True}, "store.options.num_chunks: expected a positive integer"),
     ({"num_chunks": 0}, "store.options.num_chunks: expected a positive integer"),
     ({"num_chunks": 4, "root": "/x"}, "store.options.root: not an option"),
+    ({"num_chunks": 4, "order": "fifo"},
+     "store.options.order: expected one of events, stream, sync, got 'fifo'"),
 ])
 def test_bad_options_name_the_key(options, needle) -> None:
     with pytest.raises(StandInStoreError, match=needle.replace(".", r"\.")):
@@ -145,3 +147,34 @@ def test_profile_tutti_public_selects_the_stand_in() -> None:
         "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert load("tutti-public-nvme").kv_transfer_config()[
         "kv_connector_extra_config"]["store"]["type"] == "tutti_nvme"
+
+
+@pytest.mark.parametrize("order", ["events", "stream", "sync"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_get_of_some_stored_chunks_restores_exactly_those(device, order) -> None:
+    """The e2e shape seen red on the H200 (64 tokens: 2 chunks stored, 1 loaded):
+    a get of the first chunk of a two-chunk put returns that chunk's bytes, under
+    every ``store.options.order``."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    st = StandInKVStore(segment_bytes=SEG, num_chunks=8, order=order)
+    st.open()
+    st.set_layer_span(2)
+    buf = _staging(device)
+    bid = st.register_buffer(buf, SEG)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (4 * SEG,), dtype=torch.uint8, generator=g)
+    buf[: 4 * SEG] = data.to(device)
+    keys = [bytes([c]) * 16 + layer.to_bytes(2, "little")
+            for c in range(2) for layer in range(2)]
+    if device == "cuda":
+        ev = torch.cuda.Event()
+        ev.record()
+        st.wait_write_event(ev)
+    st.put_batch([(k, bid, i * SEG) for i, k in enumerate(keys)]).wait()
+    buf.zero_()
+    st.get_batch([(k, bid, (4 + i) * SEG) for i, k in enumerate(keys[:2])]).wait()
+    assert torch.equal(buf[4 * SEG:6 * SEG].cpu(), data[: 2 * SEG])
+    assert not bool(buf[6 * SEG:].any()) and not bool(buf[: 4 * SEG].any())

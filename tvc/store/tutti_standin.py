@@ -46,7 +46,13 @@ UNDER_TEST = ("Tutti's connector, worker and transfer kernels with the suite's "
 
 #: the keys of ``store.options`` the stand-in takes (``segment_bytes`` is set
 #: by the connector from the KV cache config)
-OPTIONS = ("num_chunks", "segment_bytes")
+OPTIONS = ("num_chunks", "segment_bytes", "order")
+#: ``store.options.order`` values: ``events`` (default) orders a put only by the
+#: events the engine hands over, as Tutti's NVMe store does; ``stream`` also makes
+#: every put wait for the current CUDA stream; ``sync`` synchronizes the device
+#: after each put and get. The last two are diagnostics: a red that stays under
+#: ``sync`` is no ordering race of the store.
+ORDERS = ("events", "stream", "sync")
 
 #: live stores of this process, for tiers that assert bytes moved
 INSTANCES: list[StandInKVStore] = []
@@ -86,11 +92,14 @@ class StandInKVStore:
             Tutti's connector sets it: ``chunk_kv_bytes // num_layers``).
         num_chunks: chunks the store holds (positive int,
             ``store.options.num_chunks``).
+        order: one of :data:`ORDERS` (``store.options.order``, default
+            ``events``).
         **options: any other key is refused.
 
     Raises:
-        StandInStoreError: a non-integer or non-positive size, or an unknown
-            option; the message names ``store.options.<key>``.
+        StandInStoreError: a non-integer or non-positive size, an unknown
+            ``order`` or an unknown option; the message names
+            ``store.options.<key>``.
 
     Attributes:
         stats: ``puts`` / ``gets`` (segments), ``bytes_written`` /
@@ -101,7 +110,12 @@ class StandInKVStore:
     """
 
     def __init__(self, segment_bytes: Any = None, num_chunks: Any = None,
-                 **options: Any) -> None:
+                 order: Any = "events", **options: Any) -> None:
+        if order not in ORDERS:
+            raise StandInStoreError(
+                f"store.options.order: expected one of {', '.join(ORDERS)}, got "
+                f"{order!r}")
+        self.order: str = order
         for key in options:
             raise StandInStoreError(
                 f"store.options.{key}: not an option of the suite's stand-in store "
@@ -315,6 +329,10 @@ class StandInKVStore:
             self.stats["unfenced_puts"] += len(entries)
         self._fenced = False
         with self._on("write", device) as s:
+            if s is not None and self.order != "events":
+                import torch
+
+                s.wait_stream(torch.cuda.current_stream(device))
             for key, src in entries:
                 row = self._rows.get(key)
                 if row is None:
@@ -326,6 +344,7 @@ class StandInKVStore:
                     row = self._rows[key] = self._free.pop()
                 pool[row].copy_(src, non_blocking=True)
             done = self._record(s)
+        self._sync(device)
         self.stats["puts"] += len(entries)
         self.stats["bytes_written"] += len(entries) * self.segment_bytes
         return _Completion(done)
@@ -357,9 +376,17 @@ class StandInKVStore:
             for row, dst in entries:
                 dst.copy_(self._pool[row], non_blocking=True)
             done = self._record(s)
+        self._sync(device)
         self.stats["gets"] += len(entries)
         self.stats["bytes_read"] += len(entries) * self.segment_bytes
         return _Completion(done)
+
+    def _sync(self, device: Any) -> None:
+        """``order = "sync"``: wait for the whole device (a diagnostic)."""
+        if self.order == "sync" and device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
 
     def drop(self, keys: Iterable[bytes]) -> None:
         """Forget keys (evicted by the engine's index); unknown keys are ignored."""

@@ -114,3 +114,23 @@ def test_the_rerun_command_carries_the_runs_pythonpath() -> None:
     got = findings(tests, PROFILE, seed=7, pythonpath="/home/me/my conn")
     assert got[0]["rerun"].startswith("PYTHONPATH='/home/me/my conn' pytest "), got
     assert findings(tests, PROFILE, seed=7)[0]["rerun"].startswith("pytest ")
+
+
+def test_wrong_kv_under_concurrent_loads_is_the_tutti_finding_only_there() -> None:
+    """Seen on the H200: the concurrency test's wrong-KV red for Tutti is
+    catalogued; the same words for another connector, or another test's
+    wrong-KV message, stay plain test findings."""
+    node = ("suites/e2e/test_concurrency.py::"
+            "test_concurrent_requests_match_the_baseline_and_the_hit_rule")
+    msg = ("concurrency: connector, concurrent request #8 (concurrency-4) differs "
+           "from the baseline (no connector) — the KV loaded while several "
+           "requests load at once is wrong (the same prompt alone agreed)")
+    got = findings([_t(node, msg)], PROFILE)
+    assert [f["key"] for f in got] == ["tutti-concurrent-load"], got
+    assert "sync" in got[0]["title"] and "1708249249" in got[0]["reproduction"]
+    other = findings([_t(node, msg)], {**PROFILE, "connector": "ExampleConnector"})
+    assert [f["key"] for f in other] == ["test"]
+    kb = findings([_t("suites/e2e/test_external_prefix_hit.py::test_hit_count_at_"
+                      "block_boundaries[kB]", "the KV the connector loaded is not "
+                      "the KV pass 1 computed")], PROFILE)
+    assert [f["key"] for f in kb] == ["test"]

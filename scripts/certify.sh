@@ -23,14 +23,16 @@
 # run folder, CERTIFY_DRY_RUN=1 to print the pytest command instead of running it.
 # Prints the run folder, the findings and the time taken; exits with pytest's status (0 =
 # certified; with -k, -m, --deselect or --ignore only "passed a selection"), 2 for
-# a usage error (e.g. --collect-only, which runs no test), 4 for a bad profile;
+# a usage error (e.g. --collect-only, which runs no test), 4 for a bad profile,
+# 1 before any test when a full run needs hardware this box lacks (each missing
+# level named with its fix; CERTIFY_HW_CHECK=0 runs it anyway);
 # every finding is listed (a failure, or a [[known_failures]] entry: a strict
 # xfail the profile accepts with its link); the verdict names how many known
 # defects it accepted. A connector's own defects fail, since its profile does
 # not list them as known. The same as `tvc certify PROFILE` (tvc.cli; docs/cli.md).
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'
   [ $# -ge 1 ] && exit 0 || exit 2
 fi
 profile=$1

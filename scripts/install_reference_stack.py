@@ -17,7 +17,8 @@ Steps:
    the pip configuration offers one, else PyPI's build; both run on CPU);
 4. install vLLM's other requirements minus the CUDA-only ones in ``CUDA_ONLY``
    (CUDA-built torchvision/torchaudio/torchcodec break ``import vllm.config`` on a
-   CPU torch, and kernels such as flashinfer need CUDA), keeping ``torch==X``.
+   CPU torch, and kernels such as flashinfer need CUDA), keeping ``torch==X``, plus
+   the optional packages in ``OPTIONAL`` that the contract tier drives.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ CUDA_ONLY = {
     "flashinfer-python", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
     "quack-kernels", "tokenspeed-mla", "humming-kernels", "fastsafetensors",
 }
+#: vLLM's optional packages that the contract tier drives: xxhash, for
+#: ``--prefix-caching-hash-algo xxhash`` / ``xxhash_cbor`` (``vllm/utils/hashing.py``).
+OPTIONAL = ("xxhash",)
 
 
 def pip(*args: str) -> None:
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
           "resolver will then say that vllm 'requires' flashinfer-python, "
           "torchaudio, torchvision, ... 'which is not installed' — expected here, "
           "they are left out on purpose (see this script's docstring)", flush=True)
-    pip(f"torch=={torch}", *non_cuda_requirements(requires))
+    pip(f"torch=={torch}", *non_cuda_requirements(requires), *OPTIONAL)
     print(f"reference stack ready: vllm {installed('vllm')}, "
           f"torch {installed('torch')}")
 

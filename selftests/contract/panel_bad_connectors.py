@@ -8,6 +8,7 @@ through ``kv_connector_module_path = "panel_bad_connectors"``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from panel_connectors import (
@@ -63,6 +64,52 @@ class IgnoresTheModelConnector(SyncPanelConnector):
     @staticmethod
     def model_namespace(vllm_config: Any) -> str:
         return "all-models"
+
+
+class IgnoresTheKVDtypeConnector(SyncPanelConnector):
+    """Fault: keys by the model and the KV shape but not by the element types
+    (model dtype, KV cache dtype), so the same checkpoint served with
+    ``--dtype bfloat16`` or ``--kv-cache-dtype fp8`` on the same store loads KV
+    of other bytes: a raw-byte store would reinterpret them as they are."""
+
+    @staticmethod
+    def model_namespace(vllm_config: Any) -> str:
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        ident = (mc.model, mc.get_total_num_kv_heads(), mc.get_head_size(),
+                 mc.get_num_layers(pc), pc.tensor_parallel_size)
+        return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
+
+
+class AssumesSha256KeysConnector(SyncPanelConnector):
+    """Fault: looks chunks up by vLLM's ``request.block_hashes`` but names the
+    chunks it saves by its own re-computation of them with sha256 (vLLM's
+    ``hash_block_tokens``): equal under the default ``sha256``, never equal under
+    another ``--prefix-caching-hash-algo``, where nothing it stores is ever hit."""
+
+    _saving = False
+
+    def _keys(self, request: Any, upto_tokens: int) -> list[str]:
+        if not self._saving:
+            return super()._keys(request, upto_tokens)
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        toks, b = request.prompt_token_ids, self.block_size
+        parent, out = None, []
+        for i in range(upto_tokens // b):
+            parent = kcu.hash_block_tokens(
+                sha256, parent if parent is not None else kcu.NONE_HASH,
+                toks[i * b:(i + 1) * b], None)
+            if (i + 1) % self.blocks_per_chunk == 0:
+                out.append(bytes(parent).hex())
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._saving = True
+        try:
+            return super().build_connector_meta(scheduler_output)
+        finally:
+            self._saving = False
 
 
 class CapsHitAt2kConnector(SyncPanelConnector):

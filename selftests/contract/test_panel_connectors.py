@@ -258,13 +258,44 @@ def test_hit_rules_alone_check_the_scenarios_hits(cls: str, red: bool,
     assert "the profile's hit_rule expects" in t["message"], t["message"]
 
 
-def test_a_store_shared_by_two_models_is_caught(tmp_path: Path) -> None:
-    run = run_contract(tmp_path, "onemodel", "IgnoresTheModelConnector", 16,
-                       module="panel_bad_connectors",
+@pytest.mark.parametrize(("cls", "caught"), [
+    ("IgnoresTheModelConnector", {
+        "same_shape": "the model", "head_size": "the model",
+        "num_kv_heads": "the model", "dtype": "the model's dtype",
+        "cache_dtype": "the KV cache dtype"}),
+    # keys by model and shape: only the element-type variants can see it
+    ("IgnoresTheKVDtypeConnector", {
+        "dtype": "the model's dtype", "cache_dtype": "the KV cache dtype"}),
+])
+def test_a_store_shared_by_two_models_is_caught(cls: str, caught: dict[str, str],
+                                                tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "onemodel", cls, 16, module="panel_bad_connectors",
                        select=["suites/contract/test_connector_api.py", "-m",
                                "contract", "-k", "another_model"])
-    for variant in ("same_shape", "head_size", "num_kv_heads"):
+    for variant in ("same_shape", "head_size", "num_kv_heads", "dtype",
+                    "cache_dtype"):
         t = run.test(f"[cpu-{variant}]")
-        assert t["outcome"] == "failed", (t, run.tail(2000))
-        assert "its keys ignore the model, so model B reads model A's KV" in (
-            t["message"]), t["message"]
+        if variant not in caught:
+            assert t["outcome"] == "passed", (variant, t, run.tail(2000))
+            continue
+        assert t["outcome"] == "failed", (variant, t, run.tail(2000))
+        assert f"its keys ignore {caught[variant]}, so model B reads model A's KV" \
+            in t["message"], t["message"]
+
+
+def test_keys_that_assume_sha256_are_caught(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "sha256keys", "AssumesSha256KeysConnector", 16,
+                       module="panel_bad_connectors",
+                       select=["suites/contract/test_connector_api.py",
+                               "suites/contract/test_scenarios.py", "-m", "contract",
+                               "-k", "hash_algorithm or shared_prefixes_every"])
+    # under vLLM's default sha256 its keys agree: the scenarios see nothing
+    for mode in ("one_step", "staggered"):
+        t = run.test(f"test_shared_prefixes_every_load_bit_identical[cpu-{mode}]")
+        assert t["outcome"] == "passed", (t, run.tail(2000))
+    for algo in ("sha256_cbor", "xxhash", "xxhash_cbor"):
+        t = run.test(
+            f"test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-{algo}]")
+        assert t["outcome"] == "failed", (algo, t, run.tail(2000))
+        assert "the connector matched 0" in t["message"], t["message"]
+        assert "hit_rule expects" in t["message"], t["message"]

@@ -2,12 +2,14 @@
 
 Derived from vLLM's connector base class (see ``docs/coverage.md``): the stats vLLM
 aggregates, reduces and logs every step; the KV cache events it publishes; the
-connector reset behind ``reset_prefix_cache(reset_connector=True)``; requests that
+connector reset behind ``reset_prefix_cache(reset_connector=True)``; the block hash
+function (``--prefix-caching-hash-algo``); requests that
 must not read cached KV (``prompt_logprobs``, ``skip_reading_prefix_cache``); a
 store that another model's engine shares (vLLM's block hashes do not cover the
-model); and the answers vLLM reads outside a step (role, layout, handshake, push
-work). Each test drives vLLM's own scheduler (and the real worker side where the profile
-allows) and compares the connector's answers with what the run stored and loaded.
+model, its dtype or the KV cache dtype); and the answers vLLM reads outside a step
+(role, layout, handshake, push work). Each test drives vLLM's own scheduler (and
+the real worker side where the profile allows) and compares the connector's
+answers with what the run stored and loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def test_answers_vllm_reads_outside_a_step(make_rig, contract_profile,
     out = S.run_scenario(S.answers_vllm_reads, make_rig, contract_profile,
                          record_property=record_property)
     assert out["hit_tokens"] > 0 and isinstance(out["piecewise"], bool), out
+
+
+@pytest.mark.parametrize("algo", S.HASH_ALGOS)
+def test_block_hash_algorithm_keeps_hits_and_loads_exact(
+        make_rig, contract_profile, algo, record_property) -> None:
+    out = S.run_scenario(S.block_hash_algorithm, make_rig, contract_profile, algo,
+                         record_property=record_property)
+    # at least two of the three prefix-sharing replays loaded under this hash
+    assert out["algo"] == algo and out["loads"] >= 2, out
 
 
 @pytest.mark.parametrize("variant", sorted(S.OTHER_MODEL))

@@ -111,7 +111,9 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
                      device: str = "cpu", tensor_parallel_size: int = 1,
-                     kv_events: bool = False, model_name: str = "tiny-llama") -> Any:
+                     kv_events: bool = False, model_name: str = "tiny-llama",
+                     checkpoint_dtype: str | None = None, cache_dtype: str = "auto",
+                     hash_algo: str = "sha256") -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
 
     Args:
@@ -138,6 +140,15 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
             ``--kv-events-config`` does; connectors then emit ``take_events``.
         model_name: the model folder's name stem (``ModelConfig.model`` is its
             path): another name is another model, even of the same shape.
+        checkpoint_dtype: the ``torch_dtype`` written into the model's
+            ``config.json`` (default ``dtype``): the same checkpoint served with
+            another ``dtype`` (``--dtype``) keeps its ``ModelConfig.model``.
+        cache_dtype: ``CacheConfig.cache_dtype`` (``--kv-cache-dtype``): ``auto``
+            (the model's dtype) or an fp8 name; the KV cache spec and the
+            worker's KV tensors take it.
+        hash_algo: ``CacheConfig.prefix_caching_hash_algo``
+            (``--prefix-caching-hash-algo``); requests of the rig hash their
+            blocks with it, as ``EngineCore`` does (``vllm/v1/engine/core.py``).
 
     Returns:
         ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
@@ -154,9 +165,10 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         VllmConfig,
     )
 
+    ckpt = checkpoint_dtype or dtype
     model_dir = write_tiny_model(
-        scratch / f"{model_name}-h{num_kv_heads}-d{head_size}-{dtype}",
-        num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+        scratch / f"{model_name}-h{num_kv_heads}-d{head_size}-{ckpt}",
+        num_kv_heads=num_kv_heads, head_size=head_size, dtype=ckpt)
     model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0,
                                skip_tokenizer_init=True,
                                max_model_len=max_model_len)
@@ -165,7 +177,9 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         max_model_len=max_model_len, enable_chunked_prefill=True,
         is_encoder_decoder=False, async_scheduling=False)
     scheduler_config = SchedulerConfig(**sched_kwargs)
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                               cache_dtype=cache_dtype,
+                               prefix_caching_hash_algo=hash_algo)
     # Store paths under the profile's scratch move to this session's own folder, so
     # a replayed run (same TVC_CONTRACT_NONCE) finds no KV of an earlier run.
     ktc = isolate_store_paths(kv_transfer_config or profile.kv_transfer_config(),
@@ -224,9 +238,29 @@ def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
     spec = FullAttentionSpec(
         block_size=vllm_config.cache_config.block_size,
         num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=mc.get_head_size(), dtype=mc.dtype)
+        head_size=mc.get_head_size(), dtype=kv_cache_dtype(vllm_config))
     return compat.build_kv_cache_config(vllm_config, spec, layer_names(vllm_config),
                                         num_blocks)
+
+
+def kv_cache_dtype(vllm_config: Any) -> Any:
+    """The KV cache's element type, as the model runner resolves it.
+
+    ``CacheConfig.cache_dtype`` ``auto`` is the model's dtype, another name is
+    looked up in vLLM's ``STR_DTYPE_TO_TORCH_DTYPE`` (``fp8`` ->
+    ``torch.float8_e4m3fn``), as ``kv_cache_dtype_str_to_dtype``
+    (``vllm/utils/torch_utils.py``, used by ``GPUModelRunner.__init__``) does.
+
+    Returns:
+        a ``torch.dtype``.
+
+    """
+    name = vllm_config.cache_config.cache_dtype
+    if name == "auto":
+        return vllm_config.model_config.dtype
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    return STR_DTYPE_TO_TORCH_DTYPE[name]
 
 
 def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
@@ -275,7 +309,7 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
                  lora_request: Any = None,
                  sampling: Mapping[str, Any] | None = None,
-                 prompt_embeds: Any = None) -> Any:
+                 prompt_embeds: Any = None, hash_algo: str = "sha256") -> Any:
     """A vLLM ``Request`` with vLLM's own block hasher.
 
     Args:
@@ -295,14 +329,22 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
             one from ``prompt_embeds``; its block hashes cover the embeddings,
             ``kv_cache_utils._gen_prompt_embeds_extra_hash_keys``) whose
             embeddings the callable derives from the prompt's token ids.
+        hash_algo: the block hash function by vLLM's name
+            (``CacheConfig.prefix_caching_hash_algo``: ``sha256``,
+            ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``), as ``EngineCore``
+            builds the request block hasher.
 
     Returns:
         ``vllm.v1.request.Request``.
 
+    Raises:
+        ValueError: vLLM knows no such hash function.
+        ModuleNotFoundError: ``xxhash`` is named and not installed.
+
     """
     global _NONE_HASH_READY
     from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
+    from vllm.utils.hashing import get_hash_fn_by_name, sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
@@ -325,4 +367,5 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                    prompt_embeds=embeds, sampling_params=params,
                    pooling_params=None, cache_salt=cache_salt,
                    lora_request=lora_request,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+                   block_hasher=get_request_block_hasher(
+                       block_size, get_hash_fn_by_name(hash_algo)))

@@ -601,7 +601,9 @@ CURATED: dict[str, Curated] = {
         "a miss or a clean refusal naming the key",
         "contract test_connector_api::test_another_model_on_one_store_gets_a_miss"),
     "config:ModelConfig.dtype": _C(
-        "element type of every KV byte", "a miss or identical output", _SCEN),
+        "element type of every KV byte", "a miss across dtypes on one store; "
+        "bit-identical loads for each", f"{_SCEN}; {_API}::"
+        "test_another_model_on_one_store_gets_a_miss"),
     "config:ModelConfig.revision": _C(
         "other weights, other KV", "a miss", ""),
     "config:ModelConfig.quantization": _C(
@@ -619,14 +621,19 @@ CURATED: dict[str, Curated] = {
         "tokens per block: the unit of every hit and every block hash",
         "whole blocks; identical output for each size", _SCEN),
     "config:CacheConfig.cache_dtype": _C(
-        "KV element type (auto, fp8...)", "a miss or refusal across dtypes", ""),
+        "KV element type (auto, fp8...): same shape, other bytes",
+        "a miss or refusal across KV cache dtypes on one store",
+        "contract test_connector_api::test_another_model_on_one_store_gets_a_miss"),
     "config:CacheConfig.sliding_window": _C(
         "blocks outside the window are freed", "a miss or refusal", ""),
     "config:CacheConfig.enable_prefix_caching": _C(
         "local prefix cache on/off: the local part of each hit",
         "local + external consistent either way", _SCEN),
     "config:CacheConfig.prefix_caching_hash_algo": _C(
-        "the block hash function (external keys)", "a miss across algorithms", ""),
+        "the block hash function: every Request.block_hashes value and width",
+        "the hit rule and bit-identical loads under each algorithm",
+        "contract test_connector_api::"
+        "test_block_hash_algorithm_keeps_hits_and_loads_exact"),
     "config:CacheConfig.kv_cache_dtype_skip_layers": _C(
         "per-layer KV dtype", "a miss or refusal", ""),
     "config:CacheConfig.mamba_cache_dtype": _C("mamba state dtype", "refusal", ""),
@@ -1040,6 +1047,11 @@ class CoverageLog:
         self.hit("config:CacheConfig.block_size", str(cc.block_size))
         self.hit("config:CacheConfig.enable_prefix_caching",
                  str(cc.enable_prefix_caching))
+        if cc.cache_dtype != "auto":
+            self.hit("config:CacheConfig.cache_dtype", str(cc.cache_dtype))
+        algo = getattr(cc, "prefix_caching_hash_algo", "sha256")
+        if algo != "sha256":
+            self.hit("config:CacheConfig.prefix_caching_hash_algo", str(algo))
         if pc.tensor_parallel_size > 1:
             self.hit("config:ParallelConfig.tensor_parallel_size",
                      str(pc.tensor_parallel_size))

@@ -47,8 +47,10 @@ class SchedulerSideMixin:
         return self.vllm_config.cache_config.block_size
 
     def request(self, num_tokens: int, **kw: Any) -> Any:
-        """:func:`make_request` with this rig's block size."""
-        return make_request(num_tokens=num_tokens, block_size=self.block_size, **kw)
+        """:func:`make_request` with this rig's block size and hash algorithm."""
+        algo = self.vllm_config.cache_config.prefix_caching_hash_algo
+        return make_request(num_tokens=num_tokens, block_size=self.block_size,
+                            hash_algo=algo, **kw)
 
     def forget_local_cache(self) -> None:
         """Drop vLLM's local prefix cache: the next hit must be the connector's.

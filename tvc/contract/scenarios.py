@@ -1080,13 +1080,70 @@ def reset_cache_misses(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
 
 
 #: Model B of :func:`another_model_on_one_store`, as ``make_rig`` arguments over
-#: model A (the tiny Llama: 2 KV heads, head size 64, float16), with what differs.
-OTHER_MODEL: dict[str, tuple[dict[str, Any], str]] = {
+#: model A (the tiny Llama: 2 KV heads, head size 64, float16, KV cache ``auto``),
+#: with what differs, what a key that ignores it ignores, and the coverage entry.
+#: ``dtype`` and ``cache_dtype`` keep the same checkpoint (``ModelConfig.model``)
+#: and the same KV shape: only the bytes differ, so a store that keys by the
+#: model and the shape alone serves them (a raw-byte store loads them as they are).
+OTHER_MODEL: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "same_shape": ({"model_name": "tiny-llama-other"},
-                   "another model of the same shape (other weights, other KV)"),
-    "head_size": ({"head_size": 32}, "head size 32 instead of 64"),
-    "num_kv_heads": ({"num_kv_heads": 4}, "4 KV heads instead of 2"),
+                   "another model of the same shape (other weights, other KV)",
+                   "the model", "config:ModelConfig.model"),
+    "head_size": ({"head_size": 32}, "head size 32 instead of 64", "the model",
+                  "config:ModelConfig.model"),
+    "num_kv_heads": ({"num_kv_heads": 4}, "4 KV heads instead of 2", "the model",
+                     "config:ModelConfig.model"),
+    "dtype": ({"dtype": "bfloat16", "checkpoint_dtype": "float16"},
+              "the same checkpoint served with --dtype bfloat16 instead of float16 "
+              "(same KV shape, other bytes)", "the model's dtype",
+              "config:ModelConfig.dtype"),
+    "cache_dtype": ({"cache_dtype": "fp8"},
+                    "the same model with --kv-cache-dtype fp8 instead of auto "
+                    "(float16)", "the KV cache dtype",
+                    "config:CacheConfig.cache_dtype"),
 }
+
+
+#: vLLM's block hash functions besides the default ``sha256``
+#: (``PrefixCachingHashAlgo``, ``vllm/config/cache.py``;
+#: ``vllm/utils/hashing.py`` ``get_hash_fn_by_name``): the ``xxhash`` ones need
+#: the optional ``xxhash`` package.
+HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def block_hash_algorithm(make_rig: MakeRig, profile: Any, algo: str
+                         ) -> dict[str, Any]:
+    """The hit rule and exact loads under another block hash function.
+
+    ``--prefix-caching-hash-algo`` changes every ``Request.block_hashes`` value
+    (``EngineCore`` builds the request block hasher from
+    ``CacheConfig.prefix_caching_hash_algo``) and their width (sha256: 32 bytes,
+    xxhash: 16). A connector whose keys assume one function (its own sha256 of
+    the tokens compared with vLLM's hashes, a fixed digest width, a parsed
+    digest) misses, or mismatches, under another. Runs
+    :func:`shared_prefixes` (three stored prompts sharing two chunks, replayed
+    in one step: each hit equals the rule, each load is bit-identical) on rigs
+    whose requests hash with ``algo``.
+
+    Raises:
+        NotApplicable: ``algo`` needs a package this Python lacks.
+
+    """
+    import functools
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    try:
+        get_hash_fn_by_name(algo)(b"probe")
+    except ModuleNotFoundError as exc:
+        pkg = exc.name or algo.split("_")[0]
+        raise NotApplicable(
+            f"prefix_caching_hash_algo={algo} needs the Python package {pkg!r}, "
+            "an optional dependency of vLLM that this environment lacks. Fix: "
+            f"pip install {pkg}") from None
+    out = shared_prefixes(functools.partial(make_rig, hash_algo=algo), profile,
+                          True)
+    return {"algo": algo, **out}
 
 
 def _close_rig(rig: Rig) -> None:
@@ -1125,7 +1182,7 @@ def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
         NotApplicable: the store does not outlive the connector instance.
 
     """
-    kw, what = OTHER_MODEL[variant]
+    kw, what, ignored, entry = OTHER_MODEL[variant]
     a = make_rig(block_size=BLOCK_SIZE)
     stored, _replay_req, hit_a = _stored_then_served(profile, a)           # 1
     finish(a)
@@ -1156,15 +1213,16 @@ def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
         first = (str(exc).splitlines() or [""])[0][:240]
         crashed = f" Loading it then raised {type(exc).__name__}: {first}"
     _local, hit_b, _ = external_hit(b.driver, replay_b)
-    b.driver.coverage.hit("config:ModelConfig.model",
-                          f"{variant}: {hit_b} tokens matched for the other model")
+    b.driver.coverage.hit(entry, f"{variant}: {hit_b} tokens matched for model B")
     assert hit_b == 0 and not crashed, (
         f"one store, two models: a connector for model B ({what}) answered {hit_b} "
         f"matched tokens for a {stored.num_prompt_tokens}-token prompt only model A "
         f"stored ({hit_a} tokens hit, {hit_a2} again after a restart): its keys "
-        "ignore the model, so model B reads model A's KV. Key stored entries by "
-        "what makes KV differ (ModelConfig.model, KV heads, head size, dtype, "
-        f"rank), not by vLLM's block hash alone (model B: {model_b}).{crashed}")
+        f"ignore {ignored}, so model B reads model A's KV. Key stored entries by "
+        "what makes KV differ (ModelConfig.model, KV heads, head size, dtype, KV "
+        f"cache dtype, rank), not by vLLM's block hash alone (model B: {model_b}, "
+        f"dtype {b.vllm_config.model_config.dtype}, KV cache "
+        f"{b.vllm_config.cache_config.cache_dtype}).{crashed}")
     finish(b)
     return {"hit_a": hit_a, "hit_a_again": hit_a2, "hit_b": hit_b, "refused": ""}
 

@@ -80,6 +80,20 @@ class IgnoresTheKVDtypeConnector(SyncPanelConnector):
         return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
 
 
+class IgnoresMediaConnector(SyncPanelConnector):
+    """Fault: keys each chunk by a hash of the prompt's token ids up to it, so
+    two prompts with the same placeholder tokens for different images (other
+    ``mm_features`` identifiers) share every key: image B's prompt loads image
+    A's KV. (Keys still chain the whole prefix, so text-only prompts are right.)"""
+
+    def _keys(self, request: Any, upto_tokens: int) -> list[str]:
+        toks = list(request.prompt_token_ids or [])
+        salt = repr((request.cache_salt, getattr(request.lora_request, "name", None)))
+        return [hashlib.sha256(repr((salt, toks[:(k + 1) * self.chunk])).encode()
+                               ).hexdigest()
+                for k in range(min(upto_tokens, len(toks)) // self.chunk)]
+
+
 class AssumesSha256KeysConnector(SyncPanelConnector):
     """Fault: looks chunks up by vLLM's ``request.block_hashes`` but names the
     chunks it saves by its own re-computation of them with sha256 (vLLM's

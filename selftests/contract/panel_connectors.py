@@ -160,10 +160,12 @@ class FileChunkConnector(KVConnectorBase_V1):
     def model_namespace(vllm_config: Any) -> str:
         """Folder of this model's entries: vLLM's block hashes do not cover the
         model, so one store shared by engines of different models keys by it
-        (model path, KV heads, head size, dtype, layers, TP size)."""
+        (model path, KV heads, head size, dtype, KV cache dtype, layers, TP
+        size)."""
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         ident = (mc.model, mc.get_total_num_kv_heads(), mc.get_head_size(),
-                 str(mc.dtype), mc.get_num_layers(pc), pc.tensor_parallel_size)
+                 str(mc.dtype), vllm_config.cache_config.cache_dtype,
+                 mc.get_num_layers(pc), pc.tensor_parallel_size)
         return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
 
     def _path(self, key: str, rank: int) -> Path:

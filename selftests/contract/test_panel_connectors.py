@@ -82,6 +82,12 @@ RAN = ("test_second_pass_matches_declared_hit_rule[16]",
        "test_another_model_on_one_store_gets_a_miss[cpu-same_shape]",
        "test_another_model_on_one_store_gets_a_miss[cpu-head_size]",
        "test_another_model_on_one_store_gets_a_miss[cpu-num_kv_heads]",
+       "test_another_model_on_one_store_gets_a_miss[cpu-dtype]",
+       "test_another_model_on_one_store_gets_a_miss[cpu-cache_dtype]",
+       "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-sha256_cbor]",
+       "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-xxhash]",
+       "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-xxhash_cbor]",
+       "test_multimodal_item_hits_never_serve_another_image[cpu]",
        "test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-D64-float16-cpu-NHD]")
 
 # member id -> (connector class, chunk_tokens, tensor_parallel_sizes, must pass)
@@ -299,3 +305,17 @@ def test_keys_that_assume_sha256_are_caught(tmp_path: Path) -> None:
         assert t["outcome"] == "failed", (algo, t, run.tail(2000))
         assert "the connector matched 0" in t["message"], t["message"]
         assert "hit_rule expects" in t["message"], t["message"]
+
+
+def test_keys_that_ignore_the_image_are_caught(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "media", "IgnoresMediaConnector", 16,
+                       module="panel_bad_connectors",
+                       select=["suites/contract/test_connector_api.py", "-m",
+                               "contract", "-k", "multimodal or another_model"])
+    t = run.test("test_multimodal_item_hits_never_serve_another_image[cpu]")
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    assert "blocks past token 32 hold image A's KV" in t["message"], t["message"]
+    assert "ignore the item's hash" in t["message"], t["message"]
+    # its keys cover everything else the panel's do: the model tests stay green
+    t = run.test("test_another_model_on_one_store_gets_a_miss[cpu-same_shape]")
+    assert t["outcome"] == "passed", (t, run.tail(2000))

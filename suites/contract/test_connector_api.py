@@ -58,6 +58,15 @@ def test_answers_vllm_reads_outside_a_step(make_rig, contract_profile,
     assert out["hit_tokens"] > 0 and isinstance(out["piecewise"], bool), out
 
 
+def test_multimodal_item_hits_never_serve_another_image(
+        make_rig, contract_profile, record_property) -> None:
+    out = S.run_scenario(S.multimodal_items, make_rig, contract_profile,
+                         record_property=record_property)
+    # image A was served past its placeholder; image B not into it
+    assert out["hit_a"] > out["placeholder"][1] - out["placeholder"][0], out
+    assert out["hit_b"] <= out["placeholder"][0], out
+
+
 @pytest.mark.parametrize("algo", S.HASH_ALGOS)
 def test_block_hash_algorithm_keeps_hits_and_loads_exact(
         make_rig, contract_profile, algo, record_property) -> None:

@@ -279,7 +279,35 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
 
     kv_cache_config = kv_cache_config or make_kv_cache_config(vllm_config)
     with set_current_vllm_config(vllm_config):
-        return Scheduler(**compat.scheduler_kwargs(vllm_config, kv_cache_config))
+        sched = Scheduler(**compat.scheduler_kwargs(vllm_config, kv_cache_config))
+    give_encoder_budget(sched, vllm_config.model_config.max_model_len)
+    return sched
+
+
+def give_encoder_budget(scheduler: Any, tokens: int) -> None:
+    """Let the scheduler admit multimodal requests as for a multimodal model.
+
+    vLLM sizes the encoder compute budget and the encoder cache from the
+    model's multimodal registry (``Scheduler.__init__``: 0 for a text-only
+    model such as the tiny Llama), and ``_try_schedule_encoder_inputs`` stops a
+    prefill before a placeholder it cannot schedule. The harness has no
+    encoder (placeholder KV comes from the worker's pattern,
+    :func:`tvc.contract.worker.content_tokens`), so it gives the scheduler the
+    budget of a model whose items fit ``tokens``; requests without
+    ``mm_features`` never touch it.
+
+    Args:
+        scheduler: vLLM's ``Scheduler``.
+        tokens: encoder tokens per step and encoder cache slots (``max_model_len``).
+
+    """
+    mgr = getattr(scheduler, "encoder_cache_manager", None)
+    try:
+        fresh = type(mgr)(cache_size=tokens)
+    except TypeError:  # another constructor: keep vLLM's (text-only budget)
+        return
+    scheduler.encoder_cache_manager = fresh
+    scheduler.max_num_encoder_input_tokens = tokens
 
 
 _REQ_COUNTER = itertools.count(1)
@@ -309,7 +337,8 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
                  lora_request: Any = None,
                  sampling: Mapping[str, Any] | None = None,
-                 prompt_embeds: Any = None, hash_algo: str = "sha256") -> Any:
+                 prompt_embeds: Any = None, hash_algo: str = "sha256",
+                 media: Sequence[tuple[int, int, str]] = ()) -> Any:
     """A vLLM ``Request`` with vLLM's own block hasher.
 
     Args:
@@ -333,6 +362,12 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
             (``CacheConfig.prefix_caching_hash_algo``: ``sha256``,
             ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``), as ``EngineCore``
             builds the request block hasher.
+        media: multimodal items as ``(offset, length, identifier)``: the
+            prompt's tokens ``[offset, offset + length)`` are the item's
+            placeholder, ``identifier`` its content hash (``mm_hash``); they
+            become the request's ``mm_features`` (modality ``image``, no
+            data), which vLLM mixes into the hash of every block they overlap
+            (``kv_cache_utils.generate_block_hash_extra_keys``).
 
     Returns:
         ``vllm.v1.request.Request``.
@@ -362,7 +397,16 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     toks = prefix + tail
     embeds = None if prompt_embeds is None else prompt_embeds(toks)
-    return Request(request_id=request_id or f"req-{n}",
+    extra: dict[str, Any] = {}
+    if media:
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        extra["mm_features"] = [
+            MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                  mm_position=PlaceholderRange(offset=o, length=ln),
+                                  mm_hash=ident)
+            for o, ln, ident in sorted(media)]
+    return Request(**extra, request_id=request_id or f"req-{n}",
                    prompt_token_ids=None if embeds is not None else toks,
                    prompt_embeds=embeds, sampling_params=params,
                    pooling_params=None, cache_salt=cache_salt,

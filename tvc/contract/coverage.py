@@ -467,6 +467,7 @@ CURATED: dict[str, Curated] = {
         "no cached KV for the scored rows; not driven"),
     "request:CompletionRequest.mm_payload": _C(
         "-> Request.mm_features", "a miss across different media",
+        f"{_API}::test_multimodal_item_hits_never_serve_another_image",
         needs=("request:Request.mm_features",)),
     "config:CacheConfig.kv_cache_layout": _C(
         "the byte layout of every block (HND / NHD)",
@@ -532,7 +533,9 @@ CURATED: dict[str, Curated] = {
         "contract test_exploration [tenants]"),
     "request:Request.mm_features": _C(
         "multimodal inputs: their hashes key the blocks holding placeholders",
-        "a miss across different images with the same placeholder tokens"),
+        "no block overlapping a placeholder served for another image with the "
+        "same placeholder tokens; bit-identical loads",
+        f"{_API}::test_multimodal_item_hits_never_serve_another_image"),
     "request:Request.pooling_params": _C(
         "pooling tasks set skip_reading_prefix_cache",
         "a miss when skip_reading_prefix_cache"),
@@ -563,7 +566,8 @@ CURATED: dict[str, Curated] = {
     "request:EngineCoreRequest.prompt_embeds": _C(
         "as Request.prompt_embeds", "a miss", needs=("request:Request.prompt_embeds",)),
     "request:EngineCoreRequest.mm_features": _C(
-        "as Request.mm_features", "a miss", needs=("request:Request.mm_features",)),
+        "as Request.mm_features", "a miss", _API,
+        needs=("request:Request.mm_features",)),
     "request:EngineCoreRequest.sampling_params": _C(
         "as Request.sampling_params", "", _API,
         needs=("request:SamplingParams.prompt_logprobs",)),

@@ -1104,6 +1104,87 @@ OTHER_MODEL: dict[str, tuple[dict[str, Any], str, str, str]] = {
 }
 
 
+#: the token id of every multimodal placeholder position in the scenarios (one id
+#: for every item, as a model's image token; its KV follows the item's content)
+PLACEHOLDER_TOKEN_ID = 31990
+
+
+def multimodal_items(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """Multimodal items: a hit never serves one image's KV for another's.
+
+    A multimodal prompt holds one placeholder token per position of an item
+    (an image), and the KV there comes from the item's embedding. vLLM mixes
+    each item's hash (``MultiModalFeatureSpec.identifier``) into the hash of
+    every block its placeholder overlaps
+    (``kv_cache_utils.generate_block_hash_extra_keys``); a connector keyed by
+    the token ids alone serves image A's KV to a prompt with image B. The
+    worker harness gives placeholder positions the KV of their item
+    (:func:`tvc.contract.worker.content_tokens`), so such a load differs.
+
+    1. store a prompt of two chunks of text, image A's placeholder (one chunk
+       long, from the middle of a block) and text after it;
+    2. drop vLLM's local cache; replay it with image A: the hit reaches past
+       the placeholder (premise) and the load is bit-identical;
+    3. drop it again; replay the same tokens with image B: no block that
+       overlaps the placeholder is served (``local + matched`` at most the
+       placeholder's offset rounded down to a block), every load bit-identical.
+
+    Returns:
+        ``hit_a``, ``hit_b`` (tokens), ``placeholder`` ``[offset, end)``.
+
+    Raises:
+        NotApplicable: the replay with image A was not served past the
+            placeholder (the connector does not serve multimodal prompts).
+
+    """
+    import uuid
+
+    from tvc.contract.builders import prompt_tokens
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    total = prompt_len(profile, b, 4, b // 2 + 1)
+    offset, length = 2 * c + b // 2, c
+    nonce = uuid.uuid4().hex[:8]
+    toks = prompt_tokens(offset, hash(nonce) % 10_000) + (
+        [PLACEHOLDER_TOKEN_ID] * length) + prompt_tokens(
+            total - offset - length + 1, 1 + hash(nonce) % 10_000)[1:]
+    image_a, image_b = f"tvc-image-a-{nonce}", f"tvc-image-b-{nonce}"
+
+    def with_image(ident: str) -> Any:
+        return rig.request(total, shared_prefix=toks,
+                           media=[(offset, length, ident)])
+
+    rig.driver.run(with_image(image_a))                              # 1
+    _cold(rig)
+    again = with_image(image_a)
+    rig.driver.run(again)                                            # 2
+    local_a, hit_a, _ = external_hit(rig.driver, again)
+    if local_a + hit_a <= offset + length:
+        raise NotApplicable(
+            f"the replay of a stored {total}-token prompt with image A at "
+            f"[{offset}, {offset + length}) matched {hit_a} tokens ({local_a} "
+            "local): the connector does not serve a multimodal prompt past its "
+            "image, so there is no other image's KV it could serve")
+    check_every_load(rig, [again], "multimodal, the same image")
+    _cold(rig)
+    other = with_image(image_b)
+    rig.driver.run(other)                                            # 3
+    local_b, hit_b, _ = external_hit(rig.driver, other)
+    bound = offset // b * b
+    assert local_b + hit_b <= bound, (
+        f"multimodal items: a {total}-token prompt stored with image A (placeholder "
+        f"tokens [{offset}, {offset + length})) was served {hit_b} tokens "
+        f"({local_b} local) for the same tokens with image B: blocks past token "
+        f"{bound} hold image A's KV. The connector's keys ignore the item's hash "
+        "(Request.mm_features identifier, which vLLM mixes into the hash of every "
+        "block the placeholder overlaps): key by vLLM's block hashes or add the "
+        "mm hashes")
+    check_every_load(rig, [other], "multimodal, another image")
+    finish(rig)
+    return {"hit_a": hit_a, "hit_b": hit_b, "placeholder": [offset, offset + length]}
+
+
 #: vLLM's block hash functions besides the default ``sha256``
 #: (``PrefixCachingHashAlgo``, ``vllm/config/cache.py``;
 #: ``vllm/utils/hashing.py`` ``get_hash_fn_by_name``): the ``xxhash`` ones need

@@ -96,6 +96,40 @@ def pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
     return vals.view(n, 2, *per_tok).transpose(0, 1)
 
 
+def content_tokens(token_ids: Sequence[int] | None, mm_features: Any) -> list[int]:
+    """The token ids the KV pattern is computed from.
+
+    A multimodal item's placeholder positions hold one placeholder token id in
+    the prompt, but a model's KV there comes from the item's embedding: each
+    such position gets an id derived from the item's ``identifier`` and the
+    position, so two images behind the same placeholder tokens have different
+    KV, as in a real model, and a load of one into the other differs bit for bit.
+
+    Args:
+        token_ids: the prompt's token ids (``NewRequestData.prompt_token_ids``;
+            None for an embeddings-only prompt).
+        mm_features: ``NewRequestData.mm_features`` (``MultiModalFeatureSpec``
+            with ``identifier`` and ``mm_position``), or None.
+
+    Returns:
+        token ids, those of placeholder positions replaced by ids at or above
+        the tiny model's vocabulary (never a real token's).
+
+    """
+    import hashlib
+
+    from tvc.contract.builders import TINY_VOCAB_SIZE
+
+    toks = list(token_ids or [])
+    for f in mm_features or ():
+        item = int.from_bytes(hashlib.sha256(str(f.identifier).encode()).digest()[:4],
+                              "little")
+        pos = f.mm_position
+        for i in range(pos.offset, min(pos.offset + pos.length, len(toks))):
+            toks[i] = TINY_VOCAB_SIZE + (item + 7919 * i) % 1_000_003
+    return toks
+
+
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int
               ) -> tuple[Any, Any, Any]:
     """(block ids, offsets, positions) long tensors for token positions [start, end)."""
@@ -470,7 +504,8 @@ class ConnectorWorker:
                 self.loaded.pop(nr.req_id, None)
                 self.resumed.append(nr.req_id)
             self.block_table[nr.req_id] = list(nr.block_ids[0])
-            self.tokens[nr.req_id] = list(nr.prompt_token_ids or [])
+            self.tokens[nr.req_id] = content_tokens(
+                nr.prompt_token_ids, getattr(nr, "mm_features", None))
             n = so.num_scheduled_tokens[nr.req_id]
             work.append((nr.req_id, nr.num_computed_tokens,
                          nr.num_computed_tokens + n))

@@ -301,7 +301,9 @@ def give_encoder_budget(scheduler: Any, tokens: int) -> None:
         tokens: encoder tokens per step and encoder cache slots (``max_model_len``).
 
     """
-    mgr = getattr(scheduler, "encoder_cache_manager", None)
+    mgr: Any = getattr(scheduler, "encoder_cache_manager", None)
+    if mgr is None:
+        return
     try:
         fresh = type(mgr)(cache_size=tokens)
     except TypeError:  # another constructor: keep vLLM's (text-only budget)

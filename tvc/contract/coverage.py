@@ -297,6 +297,13 @@ class Curated:
 
 
 _SCEN = "contract test_scenarios"
+# request fields the OpenAI front end resolves into prompt token ids before the
+# engine: the connector only ever sees the tokens they produce
+_FRONT_END = "front end -> Request.prompt_token_ids (contract test_scenarios)"
+_FRONT_END_WHY = ("resolved by the front end before the engine "
+                  "(CompletionRequest.build_tok_params -> the renderer's "
+                  "TokenizeParams -> Request.prompt_token_ids); the connector sees "
+                  "only the resulting token ids")
 _API = "contract test_connector_api"
 _C = Curated
 CURATED: dict[str, Curated] = {
@@ -553,7 +560,10 @@ CURATED: dict[str, Curated] = {
         "carries kv_transfer_params (Request.kv_transfer_params)",
         "a P/D connector reads/writes the remote KV it names", "pd tier"),
     "request:SamplingParams.truncate_prompt_tokens": _C(
-        "changes the prompt tokens (front end)", "identical output", ""),
+        "changes the prompt tokens; the renderer truncates before the engine "
+        "(TokenizeParams), the connector sees the kept tokens",
+        "as Request.prompt_token_ids: a hit of exactly the kept tokens' prefix",
+        _FRONT_END, needs=("request:Request.prompt_token_ids",)),
     "request:EngineCoreRequest.prompt_token_ids": _C(
         "as Request.prompt_token_ids", "", _SCEN,
         needs=("request:Request.prompt_token_ids",)),
@@ -585,7 +595,9 @@ CURATED: dict[str, Curated] = {
         "-> SamplingParams.prompt_logprobs", "a miss", "e2e tier",
         needs=("request:SamplingParams.prompt_logprobs",)),
     "request:CompletionRequest.echo": _C(
-        "echo with logprobs asks for prompt logprobs", "a miss", "",
+        "echo with logprobs asks for prompt logprobs (CompletionRequest."
+        "to_sampling_params: prompt_logprobs = logprobs when echo)", "a miss",
+        f"{_API}::test_request_that_must_not_read_cached_kv_gets_a_miss",
         needs=("request:SamplingParams.prompt_logprobs",)),
     "request:CompletionRequest.prompt_embeds": _C(
         "-> Request.prompt_embeds", "a miss", needs=("request:Request.prompt_embeds",)),
@@ -593,11 +605,17 @@ CURATED: dict[str, Curated] = {
         "-> SamplingParams.extra_args['kv_transfer_params'] (P/D)",
         "the remote KV named", "pd tier"),
     "request:CompletionRequest.add_special_tokens": _C(
-        "changes the prompt tokens (BOS)", "identical output", ""),
+        "changes the prompt tokens (a BOS or not): " + _FRONT_END_WHY,
+        "as Request.prompt_token_ids", _FRONT_END,
+        needs=("request:Request.prompt_token_ids",)),
     "request:CompletionRequest.truncate_prompt_tokens": _C(
-        "changes the prompt tokens", "identical output", ""),
+        "changes the prompt tokens (the last k kept): " + _FRONT_END_WHY,
+        "as Request.prompt_token_ids", _FRONT_END,
+        needs=("request:Request.prompt_token_ids",)),
     "request:CompletionRequest.truncation_side": _C(
-        "which end truncation removes", "identical output", ""),
+        "which end truncation removes: " + _FRONT_END_WHY,
+        "as Request.prompt_token_ids", _FRONT_END,
+        needs=("request:Request.prompt_token_ids",)),
     # --- engine settings
     "config:ModelConfig.model": _C(
         "another model's KV must never load (shapes or values differ); vLLM's "

@@ -14,6 +14,7 @@ from typing import Any
 from panel_connectors import (
     AsyncPanelConnector,
     DelayedFreePanelConnector,
+    RankAwarePanelConnector,
     SyncPanelConnector,
 )
 
@@ -55,6 +56,18 @@ class SharedFileAcrossRanksConnector(SyncPanelConnector):
     """Fault (under TP > 1): every rank writes and reads the same file per chunk,
     so the heads of whichever rank wrote last are what every rank loads. (The
     correct shape is ``RankAwarePanelConnector``.)"""
+
+
+class StageBlindRankConnector(RankAwarePanelConnector):
+    """Fault (under PP > 1): names its per-rank files by the TP rank alone, so
+    the workers of two pipeline stages share one file per chunk: the first
+    stage's write wins and the other stage finds someone else's layers."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None
+                 ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.rank = self.rank % self.tp_size
+        self.world_size = self.tp_size
 
 
 class IgnoresTheModelConnector(SyncPanelConnector):

@@ -34,9 +34,10 @@ Shapes (class attributes of :class:`FileChunkConnector`):
   ``wait_for_save`` and writes them one step later; ``request_finished`` returns
   ``True`` for every request and the worker names it in ``finished_sending``
   once its writes are done (vLLM frees its blocks then);
-* :class:`RankAwarePanelConnector`: each TP rank writes and reads its own files,
-  named by ``parallel_config.rank`` (set per rank by vLLM's ``WorkerBase``); a
-  chunk is resident only when every rank's file exists;
+* :class:`RankAwarePanelConnector`: each worker (TP rank, pipeline stage)
+  writes and reads its own files, named by ``parallel_config.rank`` (set per
+  worker by vLLM's ``WorkerBase``); a chunk is resident only when every
+  worker's file exists;
 * :class:`FailureReportingPanelConnector`: on a damaged chunk it loads the good
   blocks before the first bad one and reports exactly the blocks from there
   (the others report the damaged chunk's blocks from its first one), and it
@@ -139,6 +140,8 @@ class FileChunkConnector(KVConnectorBase_V1):
         self.blocks_per_chunk = self.chunk // self.block_size
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
+        # every worker of the engine: TP ranks x pipeline stages
+        self.world_size = self.tp_size * int(pc.pipeline_parallel_size)
         self.rank = int(pc.rank)
         # scheduler side
         self._requests: dict[str, Any] = {}
@@ -165,7 +168,7 @@ class FileChunkConnector(KVConnectorBase_V1):
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         ident = (mc.model, mc.get_total_num_kv_heads(), mc.get_head_size(),
                  str(mc.dtype), vllm_config.cache_config.cache_dtype,
-                 mc.get_num_layers(pc), pc.tensor_parallel_size)
+                 mc.get_total_num_hidden_layers(), pc.tensor_parallel_size)
         return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
 
     def _path(self, key: str, rank: int) -> Path:
@@ -174,7 +177,7 @@ class FileChunkConnector(KVConnectorBase_V1):
         return self.root / key[:2] / name
 
     def _resident(self, key: str) -> bool:
-        ranks = range(self.tp_size) if self.RANK_FILES else (0,)
+        ranks = range(self.world_size) if self.RANK_FILES else (0,)
         return all(self._path(key, r).is_file() for r in ranks)
 
     def _keys(self, request: Any, upto_tokens: int) -> list[str]:

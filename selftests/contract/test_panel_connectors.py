@@ -56,6 +56,7 @@ persistent_store = true
 {devices}
 [vllm]
 tensor_parallel_sizes = {tp}
+pipeline_parallel_sizes = {pp}
 [scratch]
 dir = "{scratch}"
 """
@@ -64,6 +65,8 @@ ASYNC = ("test_async_load_completes_through_finished_receiving",
          "test_abort_leaves_nothing_behind[cpu-waiting_for_remote_kv]")
 TP2 = ("test_tp_round_trip_is_bit_identical_on_every_rank[B16-H2-cpu-gloo]",
        "test_tp_round_trip_is_bit_identical_on_every_rank[B16-H4-cpu-gloo]",
+       "test_pp_round_trip_is_bit_identical_on_every_stage[TP1-PP2-cpu-gloo]",
+       "test_pp_round_trip_is_bit_identical_on_every_stage[TP2-PP2-cpu-gloo]",
        "test_tp_load_error_on_one_rank_reaches_the_scheduler[cpu-gloo]")
 # every member: these ran (passed), so the green is not one of skipped scenarios
 RAN = ("test_second_pass_matches_declared_hit_rule[16]",
@@ -90,7 +93,8 @@ RAN = ("test_second_pass_matches_declared_hit_rule[16]",
        "test_multimodal_item_hits_never_serve_another_image[cpu]",
        "test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-D64-float16-cpu-NHD]")
 
-# member id -> (connector class, chunk_tokens, tensor_parallel_sizes, must pass)
+# member id -> (connector class, chunk_tokens, tensor_parallel_sizes (and
+# pipeline_parallel_sizes), must pass)
 PANEL = {
     "sync-16": ("SyncPanelConnector", 16, [1], ()),
     "async-16": ("AsyncPanelConnector", 16, [1], ASYNC),
@@ -105,7 +109,8 @@ PANEL = {
 
 
 def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
-                 tp: list[int] | None = None, module: str = "panel_connectors",
+                 tp: list[int] | None = None, pp: list[int] | None = None,
+                 module: str = "panel_connectors",
                  rule: str | None = None, devices: str = 'worker_devices = ["cpu"]',
                  select: list[str] | None = None) -> SuiteRun:
     """Run the contract tier (or ``select``) against one connector on CPU.
@@ -116,6 +121,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         cls: connector class in ``module``.
         chunk: ``chunk_tokens`` of the extra config.
         tp: ``[vllm] tensor_parallel_sizes``.
+        pp: ``[vllm] pipeline_parallel_sizes``.
         module: the connector module (this folder is on PYTHONPATH).
         rule: the profile's hit-rule lines (default: ``hit_rule`` = :data:`RULE`).
         devices: the ``worker_devices`` line ("" leaves the default).
@@ -130,6 +136,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
     prof = tmp_path / f"panel-{name}.toml"
     prof.write_text(PROFILE.format(name=name, cls=cls, module=module, chunk=chunk,
                                    rule=rule, devices=devices, tp=tp or [1],
+                                   pp=pp or [1],
                                    scratch=tmp_path / "scratch"))
     env = {"TVC_SCENARIO_VOLUME": "1000",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO_ROOT),
@@ -154,7 +161,8 @@ def outcome(run: SuiteRun, name: str) -> str:
 @pytest.mark.parametrize("member", sorted(PANEL))
 def test_panel_connector_gets_zero_reds(member: str, tmp_path: Path) -> None:
     cls, chunk, tp, must = PANEL[member]
-    run = run_contract(tmp_path, member, cls, chunk, tp=tp)
+    # the members with rank files claim TP 2 and PP 2 alike (pp = tp)
+    run = run_contract(tmp_path, member, cls, chunk, tp=tp, pp=tp)
     red = reds(run)
     assert not red and run.rc == 0, (
         f"{member} ({cls}, chunk {chunk}): a correct connector got {len(red)} "
@@ -216,6 +224,23 @@ def test_the_tp_harness_catches_ranks_sharing_one_file(tmp_path: Path) -> None:
     assert t["outcome"] == "failed", (t, run.tail(2000))
     assert re.search(r"rank [01] of 2 \(KV heads \d\.\.\d of 2\)", t["message"]), (
         t["message"])
+
+
+def test_the_pp_harness_catches_stages_sharing_one_file(tmp_path: Path) -> None:
+    run = run_contract(tmp_path, "stages", "StageBlindRankConnector", 32,
+                       tp=[1, 2], pp=[1, 2], module="panel_bad_connectors",
+                       select=["suites/contract/test_tp.py", "-m", "contract", "-k",
+                               "round_trip and cpu"])
+    # the TP round trips (one stage) cannot see it
+    for case in ("B16-H2", "B16-H4"):
+        t = run.test(f"test_tp_round_trip_is_bit_identical_on_every_rank[{case}-cpu")
+        assert t["outcome"] == "passed", (case, t, run.tail(2000))
+    for case in ("TP1-PP2", "TP2-PP2"):
+        t = run.test(f"test_pp_round_trip_is_bit_identical_on_every_stage[{case}-")
+        assert t["outcome"] == "failed", (case, t, run.tail(2000))
+        assert re.search(r"PP stage [01] of 2, layers model\.layers\.", t["message"]), (
+            t["message"])
+        assert "does not hold the KV that was stored" in t["message"], t["message"]
 
 
 def test_a_real_leak_is_still_named_a_leak(tmp_path: Path) -> None:

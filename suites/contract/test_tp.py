@@ -37,12 +37,18 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu-gloo"),
 CASES = [(16, 2), (16, 4)]
 
 
-def _gate(profile: Profile, device: str, missing_hardware: Any) -> None:
+def _gate(profile: Profile, device: str, missing_hardware: Any, tp: int = TP_SIZE,
+          pp: int = 1) -> None:
     sizes = TP.declared_tp_sizes(profile)
-    if TP_SIZE not in sizes:
+    if tp > 1 and tp not in sizes:
         pytest.skip(f"profile {profile.name} declares [vllm] tensor_parallel_sizes = "
-                    f"{sizes}: TP {TP_SIZE} is not claimed. Declare [1, {TP_SIZE}] "
+                    f"{sizes}: TP {tp} is not claimed. Declare [1, {tp}] "
                     "when the connector keeps each rank's KV apart")
+    stages = TP.declared_pp_sizes(profile)
+    if pp > 1 and pp not in stages:
+        pytest.skip(f"profile {profile.name} declares [vllm] pipeline_parallel_sizes "
+                    f"= {stages}: PP {pp} is not claimed. Declare [1, {pp}] when the "
+                    "connector keeps each pipeline stage's layers apart")
     if device not in profile["connector"]["worker_devices"]:
         pytest.skip(f"profile {profile.name}: connector.worker_devices "
                     f"{profile['connector']['worker_devices']} lacks {device}; this "
@@ -50,9 +56,9 @@ def _gate(profile: Profile, device: str, missing_hardware: Any) -> None:
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < TP_SIZE:
+        if torch.cuda.device_count() < tp * pp:
             missing_hardware("gpu2", f"torch sees {torch.cuda.device_count()} CUDA "
-                             f"device(s); TP {TP_SIZE} needs one per rank.")
+                             f"device(s); TP {tp} x PP {pp} needs one per rank.")
 
 
 @pytest.fixture
@@ -105,6 +111,49 @@ def test_tp_round_trip_is_bit_identical_on_every_rank(
     assert matched > 0, (
         f"TP {TP_SIZE}: replaying a stored {n}-token prompt matched 0 tokens; the "
         "round trip needs a hit (check the TP = 1 contract tests first)")
+    g = rig.group
+    assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
+        f"request {second.request_id} started computing at token "
+        f"{g.loaded.get(second.request_id)} although {matched} tokens were matched")
+    C.assert_loaded_kv_bit_identical(g)
+    stray = g.stray_block(second.request_id)
+    assert not stray, stray
+    msg = g.verify_range(second.request_id, 0, n)
+    assert not msg, f"after the replay: {msg}"
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+# (TP, PP): two stages of one layer each; and two stages of two TP ranks each
+PP_CASES = [(1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("tp", "pp"), PP_CASES,
+                         ids=[f"TP{t}-PP{p}" for t, p in PP_CASES])
+def test_pp_round_trip_is_bit_identical_on_every_stage(
+        tp_rig_factory, contract_profile, device, tp, pp,
+        tvc_missing_hardware) -> None:
+    """Pipeline parallelism: each worker registers only its stage's layers.
+
+    vLLM splits the model's layers over the stages (``get_pp_indices``) and runs
+    one worker per (stage, TP rank); every worker's connector saves and loads
+    the layers it registered, and the executor's ``KVOutputAggregator`` waits
+    for all TP x PP workers. The tiny model has two layers per stage here
+    (four in all), so each stage's layers carry their model-wide index into the
+    KV pattern: a stage that stores its layers under names or indices another
+    stage also uses (a layer's position in its dict, one file per rank and
+    chunk named by the TP rank alone) loads the other stage's KV and differs.
+    """
+    _gate(contract_profile, device, tvc_missing_hardware, tp=tp, pp=pp)
+    n = S.round_trip_len(contract_profile, 16)
+    rig = tp_rig_factory(tp_size=tp, pp_size=pp, device=device, block_size=16,
+                         num_kv_heads=2, num_layers=2 * pp,
+                         num_blocks=S.pool_blocks(n, 16))
+    _, second = _store_then_replay(rig, n)
+    local, matched, _ = C.external_hit(rig.driver, second)
+    assert matched > 0, (
+        f"TP {tp} x PP {pp}: replaying a stored {n}-token prompt matched 0 tokens; "
+        "the round trip needs a hit (check the TP = 1 contract tests first)")
     g = rig.group
     assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
         f"request {second.request_id} started computing at token "

@@ -296,12 +296,17 @@ class VllmSection(Section):
     tensor_parallel_sizes: list[int] = Field(
         [1], description=f"tensor-parallel sizes to test: 1 to {MAX_TP_SIZES} sizes "
         f"of 1 to {MAX_TP_SIZE}")
+    pipeline_parallel_sizes: list[int] = Field(
+        [1], description=f"pipeline-parallel sizes the connector claims (each "
+        "worker registers its stage's layers): 1 to "
+        f"{MAX_TP_SIZES} sizes of 1 to {MAX_TP_SIZE}; 2 runs the contract tier's "
+        "PP round trip")
     env: dict[str, Any] = Field(
         {}, description="environment of the vLLM servers (strings), also read for "
         "the contract tier's model-runner and KV-layout decision, e.g. "
         "{ VLLM_USE_V2_MODEL_RUNNER = \"0\" }")
 
-    @field_validator("tensor_parallel_sizes")
+    @field_validator("tensor_parallel_sizes", "pipeline_parallel_sizes")
     @classmethod
     def _tp(cls, sizes: list[int], info: ValidationInfo) -> list[int]:
         if not _final(info):

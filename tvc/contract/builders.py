@@ -111,9 +111,11 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      max_num_seqs: int = 16,
                      kv_transfer_config: Mapping[str, Any] | None = None,
                      device: str = "cpu", tensor_parallel_size: int = 1,
-                     kv_events: bool = False, model_name: str = "tiny-llama",
+                     pipeline_parallel_size: int = 1, kv_events: bool = False,
+                     model_name: str = "tiny-llama",
                      checkpoint_dtype: str | None = None, cache_dtype: str = "auto",
-                     hash_algo: str = "sha256") -> Any:
+                     hash_algo: str = "sha256",
+                     num_layers: int = TINY_NUM_LAYERS) -> Any:
     """Build a ``VllmConfig`` for the profile's connector.
 
     Args:
@@ -135,6 +137,10 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
             heads per rank are then ``num_kv_heads // tensor_parallel_size``
             (``ModelConfig.get_num_kv_heads``).
+        pipeline_parallel_size: ``parallel_config.pipeline_parallel_size``: the
+            layers are split over the stages (``get_pp_indices``), and each
+            worker registers its own stage's layers (:func:`layer_names`, by
+            ``parallel_config.rank``).
         kv_events: enable vLLM's KV cache events (``KVEventsConfig`` with
             ``enable_kv_cache_events=True`` and the ``null`` publisher), as
             ``--kv-events-config`` does; connectors then emit ``take_events``.
@@ -149,6 +155,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         hash_algo: ``CacheConfig.prefix_caching_hash_algo``
             (``--prefix-caching-hash-algo``); requests of the rig hash their
             blocks with it, as ``EngineCore`` does (``vllm/v1/engine/core.py``).
+        num_layers: the tiny model's ``num_hidden_layers`` (its folder name
+            says so when it is not the default).
 
     Returns:
         ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
@@ -166,9 +174,11 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     )
 
     ckpt = checkpoint_dtype or dtype
+    layers = "" if num_layers == TINY_NUM_LAYERS else f"-L{num_layers}"
     model_dir = write_tiny_model(
-        scratch / f"{model_name}-h{num_kv_heads}-d{head_size}-{ckpt}",
-        num_kv_heads=num_kv_heads, head_size=head_size, dtype=ckpt)
+        scratch / f"{model_name}-h{num_kv_heads}-d{head_size}{layers}-{ckpt}",
+        num_kv_heads=num_kv_heads, head_size=head_size, num_layers=num_layers,
+        dtype=ckpt)
     model_config = ModelConfig(model=str(model_dir), dtype=dtype, seed=0,
                                skip_tokenizer_init=True,
                                max_model_len=max_model_len)
@@ -195,7 +205,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                           cache_config=cache_config, kv_transfer_config=kt,
                           device_config=DeviceConfig(device),
                           parallel_config=ParallelConfig(
-                              tensor_parallel_size=tensor_parallel_size))
+                              tensor_parallel_size=tensor_parallel_size,
+                              pipeline_parallel_size=pipeline_parallel_size))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise ConnectorConfigRefused(ktc, exc) from None
 
@@ -203,12 +214,19 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
 def layer_names(vllm_config: Any) -> list[str]:
     """Attention layer names as vLLM names them for a Llama model.
 
+    With pipeline parallelism, the layers of the stage that
+    ``parallel_config.rank`` belongs to (``ModelConfig.
+    get_layers_start_end_indices``: ranks are laid out DP x PP x TP), as each
+    worker's model registers only its stage's attention layers.
+
     Returns:
-        ``model.layers.<i>.self_attn.attn`` for each hidden layer.
+        ``model.layers.<i>.self_attn.attn`` for each hidden layer ``i`` of the
+        stage (global layer indices).
 
     """
-    n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    start, end = mc.get_layers_start_end_indices(pc)
+    return [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
 
 
 def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS

@@ -672,7 +672,9 @@ CURATED: dict[str, Curated] = {
         "which heads this rank owns", "each rank loads its own heads",
         "contract test_tp"),
     "config:ParallelConfig.pipeline_parallel_size": _C(
-        "layers per rank", "each rank loads its own layers", ""),
+        "layers per worker: each pipeline stage registers its own layers",
+        "each stage loads exactly its own layers (bit-identical)",
+        "contract test_tp::test_pp_round_trip_is_bit_identical_on_every_stage"),
     "config:ParallelConfig.decode_context_parallel_size": _C(
         "tokens split across ranks", "each rank loads its own tokens", ""),
     "config:ParallelConfig.prefill_context_parallel_size": _C(
@@ -1077,6 +1079,10 @@ class CoverageLog:
         if pc.tensor_parallel_size > 1:
             self.hit("config:ParallelConfig.tensor_parallel_size",
                      str(pc.tensor_parallel_size))
+        if pc.pipeline_parallel_size > 1:
+            self.hit("config:ParallelConfig.pipeline_parallel_size",
+                     str(pc.pipeline_parallel_size))
+        if pc.world_size > 1:
             self.hit("config:ParallelConfig.world_size", str(pc.world_size))
         if kt is not None:
             self.hit("config:KVTransferConfig.kv_role", str(kt.kv_role))

@@ -68,15 +68,16 @@ def _host_port(init_method: str) -> tuple[str, str]:
 @contextmanager
 def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
                      init_method: str | None = None, *,
-                     vllm_config: Any | None = None) -> Iterator[Any]:
+                     vllm_config: Any | None = None,
+                     pipeline_parallel_size: int = 1) -> Iterator[Any]:
     """Initialise vLLM's distributed environment and model-parallel groups.
 
-    Tensor-parallel size = ``world_size``; pipeline, context and data parallel
-    sizes are 1. Call it once per process, in every rank's process, with the same
-    ``world_size`` and ``init_method``.
+    Tensor-parallel size = ``world_size // pipeline_parallel_size``; context and
+    data parallel sizes are 1. Call it once per process, in every rank's
+    process, with the same ``world_size`` and ``init_method``.
 
     Args:
-        world_size: number of ranks (the TP size). 1 works in-process.
+        world_size: number of ranks (TP size x PP size). 1 works in-process.
         rank: this process's rank in ``[0, world_size)``; also its local rank
             (one machine) and, with ``nccl``, its CUDA device index.
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors). vLLM always
@@ -89,6 +90,8 @@ def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
             (its ``parallel_config.tensor_parallel_size`` should equal
             ``world_size``); default: the current config if one is set, else a
             bare CPU/CUDA ``VllmConfig``. It stays current inside the context.
+        pipeline_parallel_size: PP stages; ranks are laid out PP x TP (rank r is
+            TP rank ``r % tp`` of stage ``r // tp``, as vLLM lays them out).
 
     Yields:
         vLLM's TP ``GroupCoordinator`` (``get_tp_group()``): ``rank_in_group``,
@@ -110,9 +113,11 @@ def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
     )
     from vllm.distributed import parallel_state as ps
 
-    if world_size < 1 or not 0 <= rank < world_size:
+    if world_size < 1 or not 0 <= rank < world_size or \
+            world_size % max(1, pipeline_parallel_size):
         raise DistributedSetupError(
-            f"vllm_distributed: rank {rank} is not in [0, world_size={world_size})")
+            f"vllm_distributed: rank {rank} is not in [0, world_size={world_size}) "
+            f"or {pipeline_parallel_size} pipeline stages do not divide it")
     if init_method is None:
         if world_size > 1:
             raise DistributedSetupError(
@@ -150,7 +155,8 @@ def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
                     world_size=world_size, rank=rank,
                     distributed_init_method=init_method, local_rank=rank,
                     backend=backend)
-                ps.ensure_model_parallel_initialized(world_size, 1)
+                ps.ensure_model_parallel_initialized(
+                    world_size // pipeline_parallel_size, pipeline_parallel_size)
                 yield ps.get_tp_group()
             finally:
                 ps.destroy_model_parallel()

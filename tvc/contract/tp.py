@@ -51,7 +51,8 @@ from tvc.contract.rig import SchedulerSideMixin
 from tvc.contract.worker import ConnectorWorker, pattern_values, slots_for, token_view
 
 __all__ = ["RANK_FAULTS", "TPHarnessError", "TPRankWorker", "TPRig",
-           "TPWorkerGroup", "assert_ranks_agree_on_finished", "declared_tp_sizes",
+           "TPWorkerGroup", "assert_ranks_agree_on_finished", "declared_pp_sizes",
+           "declared_tp_sizes",
            "make_tp_rig", "rank_head_range", "run_tp", "tp_pattern_values"]
 
 # Seconds a rank may take to start (spawn + import torch and vLLM + connector set-up;
@@ -76,6 +77,11 @@ def declared_tp_sizes(profile: Profile) -> list[int]:
     profiles change lands) means "TP 1 only".
     """
     return [int(x) for x in profile["vllm"].get("tensor_parallel_sizes", [1])]
+
+
+def declared_pp_sizes(profile: Profile) -> list[int]:
+    """The profile's ``[vllm] pipeline_parallel_sizes`` (default ``[1]``)."""
+    return [int(x) for x in profile["vllm"].get("pipeline_parallel_sizes", [1])]
 
 
 def rank_head_range(rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
@@ -154,6 +160,8 @@ class TPRankWorker(ConnectorWorker):
                  rank: int, tp_size: int, fault: str = "") -> None:
         self.rank = rank
         self.tp_size = tp_size
+        self.tp_rank = rank % tp_size
+        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.fault = fault
         self.injected_invalid: set[int] = set()
@@ -163,7 +171,7 @@ class TPRankWorker(ConnectorWorker):
 
     def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
         """The rank's share of the model-wide pattern (:func:`tp_pattern_values`)."""
-        return tp_pattern_values(kv, layer_idx, positions, tokens, self.rank,
+        return tp_pattern_values(kv, layer_idx, positions, tokens, self.tp_rank,
                                  self.tp_size, self.total_kv_heads)
 
     def verify_range(self, req_id: str, start: int, end: int) -> str:
@@ -171,14 +179,23 @@ class TPRankWorker(ConnectorWorker):
         msg = super().verify_range(req_id, start, end)
         if not msg:
             return ""
-        first, count = rank_head_range(self.rank, self.tp_size, self.total_kv_heads)
-        return (f"rank {self.rank} of {self.tp_size} (KV heads {first}.."
-                f"{first + count - 1} of {self.total_kv_heads}), {msg}")
+        return f"{self.where()}, {msg}"
+
+    def where(self) -> str:
+        """``rank r of N (KV heads i..j of H)``, plus the PP stage and its layers."""
+        first, count = rank_head_range(self.tp_rank, self.tp_size,
+                                       self.total_kv_heads)
+        heads = f"KV heads {first}..{first + count - 1} of {self.total_kv_heads}"
+        if self.pp_size == 1:
+            return f"rank {self.rank} of {self.tp_size} ({heads})"
+        return (f"rank {self.rank} of {self.tp_size * self.pp_size} (TP rank "
+                f"{self.tp_rank}, {heads}; PP stage {self.rank // self.tp_size} of "
+                f"{self.pp_size}, layers {', '.join(self.names)})")
 
     def stray_block(self, req_id: str) -> str:
         """:meth:`ConnectorWorker.stray_block`, the message naming the rank."""
         msg = super().stray_block(req_id)
-        return f"rank {self.rank}: {msg}" if msg else ""
+        return f"{self.where()}: {msg}" if msg else ""
 
     def execute(self, so: Any, meta: Any) -> Any:
         """One step (see :meth:`ConnectorWorker.execute`), plus the rank fault."""
@@ -205,12 +222,20 @@ def _rank_main(rank: int, tp_size: int, backend: str, init_method: str,
     Sets ``vllm_config.parallel_config.rank`` to the rank first, as vLLM's
     ``WorkerBase.__init__`` does for every worker (``vllm/v1/worker/
     worker_base.py``, 0.28 and 0.33): a connector may name its files or
-    its share of the store by it.
+    its share of the store by it. Under pipeline parallelism the rank's KV
+    cache config then holds its stage's layers only (vLLM builds one per
+    worker; the scheduler's is the first worker's,
+    ``generate_scheduler_kv_cache_config``).
     """
     try:
-        vllm_config.parallel_config.rank = rank
-        with vllm_distributed(tp_size, rank, backend, init_method,
-                              vllm_config=vllm_config):
+        pc = vllm_config.parallel_config
+        pc.rank = rank
+        pp = int(pc.pipeline_parallel_size)
+        if pp > 1:
+            kv_cache_config = make_kv_cache_config(vllm_config,
+                                                   kv_cache_config.num_blocks)
+        with vllm_distributed(tp_size * pp, rank, backend, init_method,
+                              vllm_config=vllm_config, pipeline_parallel_size=pp):
             worker = TPRankWorker(vllm_config, kv_cache_config, device, rank=rank,
                                   tp_size=tp_size, fault=fault)
             conn.send(("ready", rank))
@@ -301,26 +326,31 @@ class TPWorkerGroup:
     def __post_init__(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-        self.tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+        pc = self.vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.pp_size = int(pc.pipeline_parallel_size)
+        # every worker of the engine (TP x PP) reports to the executor's
+        # aggregator (MultiprocExecutor: KVOutputAggregator(world_size))
+        self.world_size = self.tp_size * self.pp_size
         self.backend = self.backend or ("nccl" if self.device == "cuda" else "gloo")
         for r, f in self.rank_faults.items():
-            if f not in RANK_FAULTS or not 0 <= r < self.tp_size:
+            if f not in RANK_FAULTS or not 0 <= r < self.world_size:
                 raise ValueError(f"rank_faults: {r}: {f!r} (ranks 0.."
-                                 f"{self.tp_size - 1}, faults {RANK_FAULTS})")
+                                 f"{self.world_size - 1}, faults {RANK_FAULTS})")
         if self.scheduler_connector is not None:
             self.aggregator = KVOutputAggregator.from_connector(
-                self.scheduler_connector, self.tp_size)
+                self.scheduler_connector, self.world_size)
         else:
-            self.aggregator = KVOutputAggregator(self.tp_size)
+            self.aggregator = KVOutputAggregator(self.world_size)
         self.finished_by_rank: dict[str, dict[int, set[str]]] = {
-            "sending": {r: set() for r in range(self.tp_size)},
-            "recving": {r: set() for r in range(self.tp_size)}}
+            "sending": {r: set() for r in range(self.world_size)},
+            "recving": {r: set() for r in range(self.world_size)}}
         ctx = mp.get_context("spawn")
         init = free_init_method()
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         try:
-            for r in range(self.tp_size):
+            for r in range(self.world_size):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
                     target=_rank_main, name=f"tvc-tp-rank{r}", daemon=True,
@@ -331,7 +361,7 @@ class TPWorkerGroup:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(p)
-            for r in range(self.tp_size):
+            for r in range(self.world_size):
                 self._recv(r, RANK_START_TIMEOUT_S, "start")
         except BaseException:
             self.close()
@@ -361,7 +391,7 @@ class TPWorkerGroup:
              ) -> list[Any]:
         for conn in self._conns:
             conn.send((cmd, *args))
-        return [self._recv(r, timeout_s, cmd) for r in range(self.tp_size)]
+        return [self._recv(r, timeout_s, cmd) for r in range(self.world_size)]
 
     def close(self) -> None:
         """Stop every rank (shutdown its connector), killing any that hangs."""
@@ -445,15 +475,15 @@ def assert_ranks_agree_on_finished(group: TPWorkerGroup) -> None:
     for kind, by_rank in group.finished_by_rank.items():
         every = set().union(*by_rank.values())
         for rid in sorted(every):
-            told = [r for r in range(group.tp_size) if rid in by_rank[r]]
+            told = [r for r in range(group.world_size) if rid in by_rank[r]]
             if len(told) < expected:
-                silent = [r for r in range(group.tp_size) if r not in told]
+                silent = [r for r in range(group.world_size) if r not in told]
                 raise AssertionError(
                     f"request {rid}: finished_{kind} was reported by rank(s) {told} "
                     f"but never by rank(s) {silent} (vLLM waits for {expected} of "
-                    f"{group.tp_size} ranks): after KVOutputAggregator the scheduler "
-                    f"never learns that the transfer finished, so the request's "
-                    f"blocks stay held. Every rank's worker must report the "
+                    f"{group.world_size} ranks): after KVOutputAggregator the "
+                    f"scheduler never learns that the transfer finished, so the "
+                    f"request's blocks stay held. Every rank's worker must report the "
                     f"requests it finished (or get_finished_count() must say how "
                     f"many ranks report)")
 
@@ -494,7 +524,7 @@ class TPRig(SchedulerSideMixin):
 
 
 def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
-                device: str = "cpu", backend: str | None = None,
+                pp_size: int = 1, device: str = "cpu", backend: str | None = None,
                 num_blocks: int = DEFAULT_NUM_BLOCKS,
                 rank_faults: dict[int, str] | None = None,
                 **config_kw: Any) -> TPRig:
@@ -504,6 +534,8 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
         profile: the target profile.
         scratch: suite-owned directory.
         tp_size: tensor-parallel size N (``num_kv_heads`` must split over it).
+        pp_size: pipeline stages S (the model's layers split over them); the
+            rig runs N x S rank processes.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL, rank r on ``cuda:r``).
         backend: override of the torch.distributed backend.
         num_blocks: KV blocks per rank's pool.
@@ -519,7 +551,8 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
     """
     with vllm_env(dict(profile["vllm"]["env"])):  # rank processes inherit it
         vc = make_vllm_config(profile, scratch=scratch, device=device,
-                              tensor_parallel_size=tp_size, **config_kw)
+                              tensor_parallel_size=tp_size,
+                              pipeline_parallel_size=pp_size, **config_kw)
         kcc = make_kv_cache_config(vc, num_blocks)
         sched = make_scheduler(vc, kcc)
         group = TPWorkerGroup(vc, kcc, device, sched.connector, backend=backend,

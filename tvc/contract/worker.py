@@ -130,6 +130,28 @@ def content_tokens(token_ids: Sequence[int] | None, mm_features: Any) -> list[in
     return toks
 
 
+def layer_index(name: str, position: int) -> int:
+    """The model-wide index of a layer, from its name (``model.layers.<i>.``).
+
+    Under pipeline parallelism a worker registers only its stage's layers, so
+    their position in its dict is not the layer's index; the KV pattern uses the
+    model-wide one, so a stage that loads another stage's layer differs.
+
+    Args:
+        name: the layer name vLLM registered.
+        position: its position among the worker's layers (used when the name
+            carries no index).
+
+    Returns:
+        the layer index.
+
+    """
+    import re
+
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else position
+
+
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int
               ) -> tuple[Any, Any, Any]:
     """(block ids, offsets, positions) long tensors for token positions [start, end)."""
@@ -576,11 +598,11 @@ class ConnectorWorker:
 
         blocks, offs, pos, tok = self._token_slots(req_id, start, end)
         worst: tuple[int, str] | None = None
-        for li, name in enumerate(self.names):
+        for i, name in enumerate(self.names):
             kv = self.kv_caches[name]
             dev = kv.device
             got = token_view(kv, blocks.to(dev), offs.to(dev))
-            want = self.pattern(kv, li, pos, tok)
+            want = self.pattern(kv, layer_index(name, i), pos, tok)
             if got.dtype.itemsize == 2:
                 eq = got.contiguous().view(torch.int16) == want.contiguous().view(
                     torch.int16)
@@ -665,11 +687,11 @@ class ConnectorWorker:
         if end <= start:
             return
         blocks, offs, pos, tok = self._token_slots(req_id, start, end)
-        for li, name in enumerate(self.names):
+        for i, name in enumerate(self.names):
             kv = self.kv_caches[name]
             dev = kv.device
             set_token_slots(kv, blocks.to(dev), offs.to(dev),
-                            self.pattern(kv, li, pos, tok))
+                            self.pattern(kv, layer_index(name, i), pos, tok))
         if self.unrecomputed:
             self.unrecomputed -= {int(x) for x in blocks.tolist()}
 

@@ -11,6 +11,9 @@
 #      runner's per-layer KV, expected red naming the runner).
 # `tutti.sh order`: only the e2e block-boundary and concurrency tests, once per
 # store.options.order of the stand-in store (events, stream, sync), a diagnostic.
+# `tutti.sh diag`: the boundary test over 12 fresh prompts per length, the
+# local-then-external and wave tests, then the boundaries with the GPU stream kept
+# busy (store.options.busy_us) and the wave at max_chunks_per_wave = 1.
 # Results (run folders, logs) under $OUT/tutti/, plus $OUT/tutti/SUMMARY.txt.
 # Needs: Tutti's integration/vllm-connector at $TUTTI_SRC (default
 # .tutti/integration/vllm-connector or .tutti, carried to the host), the bundle at
@@ -92,6 +95,43 @@ for f in s.get("findings") or []:
     print(f"  FINDING {f['key']}: {f['title']} ({len(f['tests'])} tests)")
 EOF
 }
+
+diag_profile() {  # diag_profile NAME STORE-OPTIONS [MAX_CHUNKS_PER_WAVE] [REPEATS]
+  cat >"$res/$1.toml" <<EOF2
+[profile]
+name = "tutti-public-v1-$1"
+extends = "tutti-public-v1"
+[connector]
+extra_config = { chunk_tokens = 32, max_chunks_per_wave = ${3:-8}, store = { type = "tvc_standin", options = { num_chunks = 4096$2 } } }
+[e2e]
+boundary_repeats = ${4:-12}
+EOF2
+  echo "$res/$1.toml"
+}
+
+if [ "${1:-}" = "diag" ]; then
+  # Diagnostic of the two e2e reds of 2026-12-02 (docs/tutti.md):
+  #  plain: 12 fresh prompts per boundary length (the kB red's rate: a race
+  #    strikes some only, never kB-1), the local-then-external test (a load that
+  #    ignores vLLM's local hit fails every time) and the wave (every request
+  #    that differs is listed);
+  #  busy: the same boundaries with the GPU's current stream kept 200 us busy
+  #    before every put and get (store.options.busy_us): a race of the
+  #    connector's own asynchronous copies shows every time;
+  #  wave1: max_chunks_per_wave = 1 (the wave red is no wave-size effect).
+  s=${TVC_SEED:-1708249249}
+  pt diag-plain suites/e2e/test_external_prefix_hit.py suites/e2e/test_concurrency.py \
+    -m e2e -k "block_boundaries or local_prefix or concurrent" \
+    --tvc-profile="$(diag_profile plain "")" --tvc-require gpu --tvc-seed="$s"
+  pt diag-busy suites/e2e/test_external_prefix_hit.py -m e2e -k "block_boundaries" \
+    --tvc-profile="$(diag_profile busy ", busy_us = 200" 8 6)" --tvc-require gpu \
+    --tvc-seed="$s"
+  pt diag-wave1 suites/e2e/test_external_prefix_hit.py suites/e2e/test_concurrency.py \
+    -m e2e -k "local_prefix or concurrent" \
+    --tvc-profile="$(diag_profile wave1 "" 1 1)" --tvc-require gpu --tvc-seed="$s"
+  say "total $((SECONDS))s"
+  exit 0
+fi
 
 if [ "${1:-}" = "order" ]; then
   # Diagnostic: the e2e reds of the stand-in's default order (kB = 64 tokens,

@@ -292,3 +292,36 @@ def test_streamed_error_event_reaches_the_caller_as_data(tmp_path):
         with pytest.raises(ServerError, match="stream error"):
             c.reset_prefix_cache()
             c.complete_streaming(p)
+
+
+def test_every_request_that_differs_is_named_with_what_they_share(baseline):
+    """A connector whose load ignores vLLM's local prefix hit gets every request
+    with a GPU prefix-cache hit and an external hit wrong (the siblings of the
+    wave's prefix groups), and only those: the red names them all and the
+    pattern (Tutti 33a8fb8 on the H200 showed only request #8, the first)."""
+    b = baseline.book
+    plan = b.concurrency_plan()
+    outs = []
+    for i, name in enumerate(plan.requests):
+        prompt = b.get(name)
+        sibling = acc._shared_before(acc.WaveResult(
+            plan, [], {}, {}, {n: b.get(n) for n in plan.distinct}), i) > 0 and (
+            name not in plan.requests[:i])
+        good = baseline.get(name)
+        outs.append((name, comp([t + 1 for t in good.token_ids]) if sibling
+                     else good))
+        assert len(prompt) == plan.length
+    w = acc.WaveResult(plan, outs, {n: baseline.get(n) for n in plan.distinct},
+                       {}, {n: b.get(n) for n in plan.distinct})
+    wrong = [f"#{i} ({n})" for i, (n, c) in enumerate(outs)
+             if c.token_ids != baseline.get(n).token_ids]
+    assert 0 < len(wrong) < len(outs), wrong
+    with pytest.raises(AssertionError) as err:
+        acc.check_wave_outputs(w, baseline)
+    msg = str(err.value)
+    assert msg.startswith(f"concurrency: connector, concurrent request {wrong[0]}")
+    assert f"In all, {len(wrong)} of {len(outs)} requests differ: " in msg, msg
+    assert all(x in msg for x in wrong[:8]), msg
+    assert (f"shares its first {plan.shared_prefix}+ tokens with a request sent "
+            "before it") in msg, msg
+    assert "where the connector's load starts" in msg, msg

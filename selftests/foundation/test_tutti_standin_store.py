@@ -112,6 +112,10 @@ def test_register_buffer_refuses_what_it_cannot_serve() -> None:
     ({"num_chunks": 4, "root": "/x"}, "store.options.root: not an option"),
     ({"num_chunks": 4, "order": "fifo"},
      "store.options.order: expected one of events, stream, sync, got 'fifo'"),
+    ({"num_chunks": 4, "busy_us": -1},
+     "store.options.busy_us: expected an integer of 0 to 10000"),
+    ({"num_chunks": 4, "busy_us": "50"},
+     "store.options.busy_us: expected an integer of 0 to 10000"),
 ])
 def test_bad_options_name_the_key(options, needle) -> None:
     with pytest.raises(StandInStoreError, match=needle.replace(".", r"\.")):
@@ -149,17 +153,21 @@ def test_profile_tutti_public_selects_the_stand_in() -> None:
         "kv_connector_extra_config"]["store"]["type"] == "tutti_nvme"
 
 
-@pytest.mark.parametrize("order", ["events", "stream", "sync"])
+@pytest.mark.parametrize(("order", "busy_us"), [
+    ("events", 0), ("stream", 0), ("sync", 0), ("events", 500)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_get_of_some_stored_chunks_restores_exactly_those(device, order) -> None:
+def test_a_get_of_some_stored_chunks_restores_exactly_those(device, order,
+                                                            busy_us) -> None:
     """The e2e shape seen red on the H200 (64 tokens: 2 chunks stored, 1 loaded):
     a get of the first chunk of a two-chunk put returns that chunk's bytes, under
-    every ``store.options.order``."""
+    every ``store.options.order``, and with the current stream kept busy (the
+    store itself orders its copies after the work before them)."""
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    st = StandInKVStore(segment_bytes=SEG, num_chunks=8, order=order)
+    st = StandInKVStore(segment_bytes=SEG, num_chunks=8, order=order,
+                        busy_us=busy_us)
     st.open()
     st.set_layer_span(2)
     buf = _staging(device)

@@ -441,6 +441,10 @@ class E2eSection(Section):
                               "the two-pass checks (tokens)", least=2)
     concurrency: int = bounded(16, 1024, _IN_FLIGHT, "requests in flight in the "
                             "concurrent check", least=1)
+    boundary_repeats: int = bounded(3, 64, "prompts sent twice each at every "
+                                    "boundary length", "fresh prompts per block-"
+                                    "boundary length (4B-1, 4B, 4B+1) in the "
+                                    "two-pass check", least=1)
     baseline: bool = Field(True, description="compare against a server without the "
                            "connector")
     logprob_atol: float = bounded(0.1, 100.0, "a logprob difference", "absolute "

@@ -86,6 +86,10 @@ from tvc.procs.polling import PollTimeout, wait_until
 DEFAULT_CONCURRENCY = 16  # [e2e] concurrency default (the profile schema's)
 DEFAULT_LOGPROB_ATOL = tp.LOGPROB_ATOL  # [e2e] logprob_atol default
 BOUNDARY_BLOCKS = 4  # boundary prompts at 4*B - 1, 4*B, 4*B + 1
+# [e2e] boundary_repeats default (the profile schema's): fresh prompts per boundary
+# length, so a fault that strikes only some prompts (a race, a key collision) has
+# several chances to show
+DEFAULT_BOUNDARY_REPEATS = 3
 # A concurrency wave: a quarter of the requests are identical twins of others, the
 # rest come in groups of three sharing a prefix (the suite's choice: several groups,
 # each with siblings, at N = 16: 4 twins, 4 groups of 3).
@@ -165,6 +169,8 @@ class PromptBook:
         block_size: B of the servers (the baseline's, checked on the others).
         prompt_tokens: ``[e2e] prompt_tokens`` (the acceptance prompt length).
         concurrency: ``[e2e] concurrency`` (requests per wave).
+        boundary_repeats: ``[e2e] boundary_repeats`` (fresh prompts per
+            boundary length, see :meth:`boundary_keys`).
         rule: tokens a stored prompt of a given length matches (the profile's hit
             rule at ``block_size``).
         granularity: tokens the connector stores per unit (B unless the profile
@@ -177,6 +183,7 @@ class PromptBook:
     block_size: int
     prompt_tokens: int = tp.ACCEPTANCE_PROMPT_TOKENS
     concurrency: int = DEFAULT_CONCURRENCY
+    boundary_repeats: int = DEFAULT_BOUNDARY_REPEATS
     rule: Callable[[int], int] = lambda n: 0
     granularity: int = 0
     _cache: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -217,7 +224,9 @@ class PromptBook:
         Returns:
             name -> token ids; names: ``acceptance``, ``false-hit-stored``,
             ``false-hit-unrelated``, ``false-hit-first-token-changed``,
-            ``boundary-kB-1|kB|kB+1``, ``restart``, ``concurrency-<i>``,
+            ``boundary-kB-1|kB|kB+1`` (and ``-r<i>`` repeats, see
+            :meth:`boundary_keys`), ``restart``, ``local-then-external``,
+            ``concurrency-<i>``,
             ``load-failure-<case>`` and ``load-failure-<case>-after``.
 
         """
@@ -229,14 +238,15 @@ class PromptBook:
             "false-hit-stored": self.random_tokens("false-hit-stored", n),
             "false-hit-unrelated": self.random_tokens("false-hit-unrelated", n),
             "restart": self.random_tokens("restart", n),
+            "local-then-external": self.random_tokens("local-then-external", n),
         }
         stored = out["false-hit-stored"]
         lo, hi = self.token_range
         out["false-hit-first-token-changed"] = [
             lo + (stored[0] - lo + 1) % (hi - lo), *stored[1:]]
         for off, tag in ((-1, "kB-1"), (0, "kB"), (1, "kB+1")):
-            out[f"boundary-{tag}"] = self.random_tokens(
-                f"boundary-{tag}", BOUNDARY_BLOCKS * b + off)
+            for key in self.boundary_keys(tag):
+                out[key] = self.random_tokens(key, BOUNDARY_BLOCKS * b + off)
         out.update(self._concurrency_prompts())
         for policy, asy in LOAD_FAILURE_CASES:
             cid = case_id(policy, asy)
@@ -244,6 +254,38 @@ class PromptBook:
             out[f"load-failure-{cid}-after"] = self.random_tokens(f"lf-{cid}-a", n)
         self._cache.update(out)
         return dict(out)
+
+    def boundary_keys(self, tag: str) -> list[str]:
+        """Names of the fresh prompts of one boundary length.
+
+        Args:
+            tag: ``kB-1``, ``kB`` or ``kB+1``.
+
+        Returns:
+            ``boundary-<tag>``, then ``boundary-<tag>-r1`` ... up to
+            :attr:`boundary_repeats` names.
+
+        """
+        return [f"boundary-{tag}" + (f"-r{i}" if i else "")
+                for i in range(max(1, self.boundary_repeats))]
+
+    def local_blocks(self) -> int:
+        """Blocks of ``local-then-external`` that vLLM's GPU prefix cache holds.
+
+        An odd number (so the local hit ends off any chunk grid of two blocks or
+        more), about half the prompt, leaving at least two blocks after it.
+
+        Raises:
+            ValueError: the prompt has fewer than 3 blocks (``[e2e]
+                prompt_tokens`` too small for the test).
+
+        """
+        blocks = self.prompt_tokens // self.block_size
+        if blocks < 3:
+            raise ValueError(f"[e2e] prompt_tokens = {self.prompt_tokens} is fewer "
+                             f"than 3 blocks of {self.block_size}: no room for a "
+                             "local part and an external part")
+        return min(max(1, blocks // 2) | 1, blocks - 2)
 
     def get(self, name: str) -> list[int]:
         """One named prompt.
@@ -355,6 +397,8 @@ def prompt_book(profile: Any, block_size: int, token_range: tuple[int, int],
         prompt_tokens=int(e2e_setting(profile, "prompt_tokens",
                                       tp.ACCEPTANCE_PROMPT_TOKENS)),
         concurrency=int(e2e_setting(profile, "concurrency", DEFAULT_CONCURRENCY)),
+        boundary_repeats=int(e2e_setting(profile, "boundary_repeats",
+                                         DEFAULT_BOUNDARY_REPEATS)),
         rule=lambda n: int(profile.expected_hit_tokens(n, block_size)),
         granularity=gran)
 
@@ -489,6 +533,7 @@ class WaveResult:
         store_outputs: the store pass's output per distinct prompt name.
         deltas: ``external_hits`` (the external-hit counter), ``local_source`` and
             ``external_source`` (``prompt_tokens_by_source``) over the wave, tokens.
+        prompts: token ids by prompt name.
 
     """
 
@@ -496,6 +541,7 @@ class WaveResult:
     outputs: list[tuple[str, Completion]]
     store_outputs: dict[str, Completion]
     deltas: dict[str, float]
+    prompts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def run_wave(server: Any, book: PromptBook, max_tokens: int = tp.MAX_TOKENS,
@@ -534,7 +580,8 @@ def run_wave(server: Any, book: PromptBook, max_tokens: int = tp.MAX_TOKENS,
     after = (client.wait_for_metric(REQUEST_SUCCESS_METRIC, done + ok) if ok
              else client.metrics())
     return WaveResult(plan, list(zip(plan.requests, outs, strict=True)), store,
-                      _wave_deltas(before, after))
+                      _wave_deltas(before, after),
+                      {n: book.get(n) for n in plan.distinct})
 
 
 def _wave_deltas(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
@@ -555,9 +602,12 @@ def check_wave_outputs(w: WaveResult, baseline: Baseline | None,
     """Every request of the wave completed and equals the baseline output.
 
     Without a baseline the store pass's output of the same prompt is the reference.
-    The message names the request, whether the store pass (computed, one request
-    at a time) already differed, and whether the wrong output is another prompt's
-    (the connector served one request's KV to another).
+    The message names the first request that differs, whether the store pass
+    (computed, one request at a time) already differed, whether the wrong output
+    is another prompt's (the connector served one request's KV to another), and
+    every request that differs; when exactly those share a prefix with a request
+    sent before them, it says so (a local prefix-cache hit plus an external hit:
+    a connector whose load ignores ``num_computed_tokens``).
 
     Raises:
         AssertionError: a failed request or a differing output.
@@ -581,22 +631,58 @@ def check_wave_outputs(w: WaveResult, baseline: Baseline | None,
                 f"concurrency store pass: {msg} — the connector server computes "
                 "this prompt differently from vLLM without a connector, before any "
                 "concurrent load")
+    wrong: list[tuple[int, str, str]] = []  # (request #, name, message)
     for i, (name, c) in enumerate(w.outputs):
         twin = " (an identical twin is in the wave)" if w.plan.requests.count(
             name) > 1 else ""
         who = f"connector, concurrent request #{i} ({name}{twin})"
         msg = tp.output_diff(ref(name), c, ref_name, who, atol)
-        if not msg:
-            continue
-        other = next((o for o in w.plan.distinct if o != name
-                      and not tp.output_diff(ref(o), c, "a", "b", atol)), None)
-        why = (f"its output is the output of {other}: the connector served another "
-               "request's KV to this one under concurrency" if other else
-               "the KV loaded while several requests load at once is wrong "
-               "(the same prompt alone, in the store pass, "
-               + ("agreed)" if baseline else "is the reference)"))
-        raise AssertionError(f"concurrency: {who} differs from the {ref_name} — "
-                             f"{why}: {msg}")
+        if msg:
+            wrong.append((i, name, msg))
+    if not wrong:
+        return
+    i, name, msg = wrong[0]
+    c = w.outputs[i][1]
+    other = next((o for o in w.plan.distinct if o != name
+                  and not tp.output_diff(ref(o), c, "a", "b", atol)), None)
+    why = (f"its output is the output of {other}: the connector served another "
+           "request's KV to this one under concurrency" if other else
+           "the KV loaded while several requests load at once is wrong "
+           "(the same prompt alone, in the store pass, "
+           + ("agreed)" if baseline else "is the reference)"))
+    listed = ", ".join(f"#{j} ({n})" for j, n, _ in wrong[:8]) + (
+        ", ..." if len(wrong) > 8 else "")
+    shared = [_shared_before(w, j) for j, _, _ in wrong]
+    pattern = ""
+    if w.prompts and all(shared):
+        pattern = (
+            f"; every one of them shares its first {min(shared)}+ tokens with a "
+            "request sent before it (a GPU prefix-cache hit and an external hit in "
+            "one request), and none of the others differ: check where the "
+            "connector's load starts when vLLM's local cache holds part of the "
+            "prompt (the num_computed_tokens that get_num_new_matched_tokens "
+            "received)" if len(wrong) < len(w.outputs) else "")
+    raise AssertionError(
+        f"concurrency: connector, concurrent request #{i} ({name}) differs from "
+        f"the {ref_name} — {why}: {msg}. In all, {len(wrong)} of {len(w.outputs)} "
+        f"requests differ: {listed}{pattern}")
+
+
+def _shared_before(w: WaveResult, i: int) -> int:
+    """Leading tokens request ``i`` shares with a prompt sent before it.
+
+    Returns:
+        0 when none; an identical twin counts as all of its tokens.
+
+    """
+    mine = w.prompts.get(w.plan.requests[i], [])
+    best = 0
+    for other in w.plan.requests[:i]:
+        theirs = w.prompts.get(other, [])
+        n = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False))
+                  if a != b), min(len(mine), len(theirs)))
+        best = max(best, n)
+    return best
 
 
 def check_wave_hits(w: WaveResult) -> None:

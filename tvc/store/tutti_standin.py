@@ -46,13 +46,15 @@ UNDER_TEST = ("Tutti's connector, worker and transfer kernels with the suite's "
 
 #: the keys of ``store.options`` the stand-in takes (``segment_bytes`` is set
 #: by the connector from the KV cache config)
-OPTIONS = ("num_chunks", "segment_bytes", "order")
+OPTIONS = ("num_chunks", "segment_bytes", "order", "busy_us")
 #: ``store.options.order`` values: ``events`` (default) orders a put only by the
 #: events the engine hands over, as Tutti's NVMe store does; ``stream`` also makes
 #: every put wait for the current CUDA stream; ``sync`` synchronizes the device
 #: after each put and get. The last two are diagnostics: a red that stays under
 #: ``sync`` is no ordering race of the store.
 ORDERS = ("events", "stream", "sync")
+#: the most ``store.options.busy_us`` may ask (10 ms per put or get)
+MAX_BUSY_US = 10_000
 
 #: live stores of this process, for tiers that assert bytes moved
 INSTANCES: list[StandInKVStore] = []
@@ -94,6 +96,13 @@ class StandInKVStore:
             ``store.options.num_chunks``).
         order: one of :data:`ORDERS` (``store.options.order``, default
             ``events``).
+        busy_us: microseconds of work (``torch.cuda._sleep``) put on the
+            current CUDA stream before every put and get (``store.options.
+            busy_us``, 0 to :data:`MAX_BUSY_US`, default 0): the stream then
+            runs behind the host as on a loaded GPU, so a connector whose own
+            asynchronous copies race the host (a pinned buffer rewritten
+            before its copy ran) shows it every time instead of now and then.
+            A timing diagnostic; no effect on CPU.
         **options: any other key is refused.
 
     Raises:
@@ -110,7 +119,12 @@ class StandInKVStore:
     """
 
     def __init__(self, segment_bytes: Any = None, num_chunks: Any = None,
-                 order: Any = "events", **options: Any) -> None:
+                 order: Any = "events", busy_us: Any = 0, **options: Any) -> None:
+        if not _is_int(busy_us) or not 0 <= busy_us <= MAX_BUSY_US:
+            raise StandInStoreError(
+                f"store.options.busy_us: expected an integer of 0 to {MAX_BUSY_US} "
+                f"(microseconds), got {type(busy_us).__name__} {busy_us!r}")
+        self.busy_us: int = busy_us
         if order not in ORDERS:
             raise StandInStoreError(
                 f"store.options.order: expected one of {', '.join(ORDERS)}, got "
@@ -324,6 +338,7 @@ class StandInKVStore:
         if not entries:
             return _Completion()
         device = entries[0][1].device
+        self._busy(device)
         pool = self._ensure_pool(entries[0][1])
         if device.type == "cuda" and not self._fenced:
             self.stats["unfenced_puts"] += len(entries)
@@ -369,6 +384,7 @@ class StandInKVStore:
         if not entries:
             return _Completion()
         device = entries[0][1].device
+        self._busy(device)
         s0 = self._stream("read", device)
         if s0 is not None:
             s0.wait_stream(torch.cuda.current_stream(device))
@@ -380,6 +396,16 @@ class StandInKVStore:
         self.stats["gets"] += len(entries)
         self.stats["bytes_read"] += len(entries) * self.segment_bytes
         return _Completion(done)
+
+    def _busy(self, device: Any) -> None:
+        """``busy_us``: enqueue that much spinning on the current CUDA stream."""
+        if not self.busy_us or device.type != "cuda":
+            return
+        import torch
+
+        khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+        cycles_per_us = khz / 1000 if khz else 1500.0  # H200: 1,980 MHz
+        torch.cuda._sleep(int(self.busy_us * cycles_per_us))
 
     def _sync(self, device: Any) -> None:
         """``order = "sync"``: wait for the whole device (a diagnostic)."""

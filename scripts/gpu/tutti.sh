@@ -133,6 +133,25 @@ if [ "${1:-}" = "diag" ]; then
   exit 0
 fi
 
+if [ "${1:-}" = "diag2" ]; then
+  # The wave red split by max_chunks_per_wave: at 8 only the requests with a local
+  # prefix hit differ (the load-start defect); at 1, leaders too. Here, at 1 and
+  # 2 chunks per wave: one request alone (acceptance two-pass, 600 tokens = 18
+  # chunks), the boundaries, and the wave; and at 1 under order = "sync" (a red
+  # that stays is no ordering race of the stand-in store).
+  s=${TVC_SEED:-1708249249}
+  sel="second_pass or block_boundaries or concurrent"
+  for w in "w1| |1" "w2| |2" "w1sync|, order = \"sync\"|1"; do
+    IFS='|' read -r name opts mcpw <<<"$w"
+    pt "diag2-$name" suites/e2e/test_external_prefix_hit.py \
+      suites/e2e/test_concurrency.py -m e2e -k "$sel" \
+      --tvc-profile="$(diag_profile "$name" "${opts# }" "$mcpw" 2)" \
+      --tvc-require gpu --tvc-seed="$s"
+  done
+  say "total $((SECONDS))s"
+  exit 0
+fi
+
 if [ "${1:-}" = "order" ]; then
   # Diagnostic: the e2e reds of the stand-in's default order (kB = 64 tokens,
   # concurrency) again under store.options.order = events / stream / sync. A red

@@ -66,20 +66,47 @@ _T = "xPU-IO/Tutti 33a8fb8 integration/vllm-connector/"
 
 CATALOGUE: tuple[KnownDefect, ...] = (
     KnownDefect(
-        "tutti-concurrent-load",
-        "KV loaded while several requests load at once is wrong (each prompt "
-        "alone loads correctly); not the suite's stand-in store: the same with "
-        "store.options.order = \"sync\"",
-        r"test_concurrent_requests_match_the_baseline",
-        r"the KV loaded while several requests load at once is wrong",
-        "e2e, tutti-public-v1 on the H200 (vLLM 0.26.0, tutti.sh order, "
-        "--tvc-seed=1708249249): 12 stored 609-token prompts (288-token shared "
-        "prefix, twins), 16 sent at once: request #8 differs from the baseline "
-        "at its first output token (top-2 gap 0.83 nats) under every "
-        "store.options.order (events, stream, sync); chunk_tokens 32, "
-        "max_chunks_per_wave 8",
-        _T + "adapter/worker.py (load path), adapter/connector.py "
-             "build_connector_meta"),
+        "tutti-load-start-ignores-local-hit",
+        "a request with a GPU prefix-cache hit and an external hit loads the "
+        "wrong chunks: update_state_after_alloc takes the load start from "
+        "request.num_computed_tokens, which vLLM 0.26/0.28 set only after that "
+        "call (still 0), so the chunks from token 0 land in the blocks after the "
+        "local hit and the rest is never loaded; not the stand-in store (the same "
+        "with store.options.order = \"sync\")",
+        r"test_local_prefix_cache_hit_then_external_hit"
+        r"|test_concurrent_requests_match_the_baseline",
+        r"after vLLM's local hit of \d+ tokens is wrong"
+        r"|shares its first \d+\+ tokens with another request"
+        r"|the KV loaded while several requests load at once is wrong",
+        "e2e on the H200 (vLLM 0.26.0, tutti-public-v1, --tvc-seed=1708249249): "
+        "store a 600-token prompt, reset the GPU prefix cache, send its first "
+        "19.5 blocks, then the prompt: 304 tokens from the GPU cache + 256 from "
+        "the connector, output differs from the baseline at token 0 (every run); "
+        "16 requests at once over 4 groups sharing 288 tokens: every request "
+        "admitted after the first of its group differs (8 of 16 at "
+        "max_chunks_per_wave 8, 10-11 of 16 at 2 and 1, under order sync too); "
+        "one 600-token prompt alone loads right at every wave size. Tutti's hit "
+        "line shows it: 'tokens=320 computed=288'",
+        _T + "adapter/connector.py:581-594 update_state_after_alloc "
+             "(load_start_token = request.num_computed_tokens); vLLM 0.26 "
+             "scheduler.py L963 calls it, L1031 sets num_computed_tokens"),
+    KnownDefect(
+        "tutti-slot-mapping-race",
+        "(suspected) intermittent wrong KV after a store of two chunks in one "
+        "wave: the worker's slot mapping rewrites one pinned host buffer for every "
+        "block pair while its non-blocking copy to the GPU may not have run, and "
+        "caches the device result per block pair",
+        r"test_hit_count_at_block_boundaries\[kB(\+1)?\]",
+        r"some only: an intermittent fault",
+        "seen once in e2e on the H200 (2026-12-02, kB: 64 tokens, 32 loaded, "
+        "output wrong from token 0), then 0 of 90 fresh-prompt repeats "
+        "(boundary_repeats, 2026-12-03); Tutti's PagedTransferHooks._slot_mapping "
+        "alone on the H200 with the current stream busy >= 100 us before a "
+        "two-chunk gather: 59 and 60 of 60 gathers put chunk 1's KV in chunk 0; "
+        "with a blocking copy 0 of 300",
+        _T + "adapter/worker.py:355-384 PagedTransferHooks._slot_mapping "
+             "(host_ids.copy_ into self._slot_host, ids.copy_(non_blocking=True), "
+             "_slot_cache)"),
     KnownDefect(
         "tutti-cache-salt",
         "chunk keys ignore cache_salt and the LoRA adapter: one tenant's prompt "

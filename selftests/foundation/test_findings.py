@@ -156,3 +156,26 @@ def test_wrong_kv_after_a_local_hit_is_the_tutti_finding_only_there() -> None:
         "test"]
     assert [f["key"] for f in findings([_t(node + "[kB-1]", some)], PROFILE)] == [
         "test"]
+
+
+@pytest.mark.parametrize(("nodeid", "message", "key"), [
+    ("suites/contract/test_connector_api.py::test_multimodal_item_hits_never_serve_"
+     "another_image[cpu]", "blocks past token 64 hold image A's KV. The connector's "
+     "keys ignore the item's hash (Request.mm_features identifier ...)",
+     "tutti-mm-hash"),
+    ("suites/contract/test_connector_api.py::test_request_that_must_not_read_"
+     "cached_kv_gets_a_miss[cpu-prompt_logprobs]", "started with 64 tokens counted "
+     "as computed ...: the connector ignores Request.skip_reading_prefix_cache",
+     "tutti-skip-reading"),
+    ("suites/contract/test_exploration.py::test_contract_holds_over_explored_event_"
+     "sequences[tenants]", "exploration: invariant 'no hit across tenants or "
+     "adapters' broken: request req-1718 (tenant 'salt:tvc-tenant-a') matched 32",
+     "tutti-cache-salt"),
+])
+def test_tuttis_cpu_reds_are_each_a_catalogued_finding(nodeid: str, message: str,
+                                                        key: str) -> None:
+    """Seen on CPU (vLLM 0.28.0, tutti-public, 2026-12-03): each red of the
+    contract tier names its Tutti defect; another connector's same words do not."""
+    assert [f["key"] for f in findings([_t(nodeid, message)], PROFILE)] == [key]
+    other = {**PROFILE, "connector": "ExampleConnector"}
+    assert [f["key"] for f in findings([_t(nodeid, message)], other)] == ["test"]

@@ -111,12 +111,38 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "tutti-cache-salt",
         "chunk keys ignore cache_salt and the LoRA adapter: one tenant's prompt "
         "hits another tenant's KV",
-        r"test_tenant_isolation", r"tenant isolation",
+        r"test_tenant_isolation|test_contract_holds_over_explored_event_sequences"
+        r"\[tenants\]",
+        r"tenant isolation|invariant 'no hit across tenants or adapters' broken",
         "store a 129-token prompt; replay the same tokens with "
         "cache_salt='tvc-tenant-b' (or a LoRA adapter): get_num_new_matched_tokens "
         "returns 128 instead of 0 (chunk_tokens = 32)",
         _T + "index/chunk_index.py (hash_keys folds token ids only), "
         "adapter/connector.py get_num_new_matched_tokens"),
+    KnownDefect(
+        "tutti-mm-hash",
+        "chunk keys ignore multimodal items: the same placeholder tokens with "
+        "another image hit the first image's KV",
+        r"test_multimodal_item_hits_never_serve_another_image",
+        r"ignore the item's hash",
+        "store a 137-token prompt with image A's placeholder at [72, 104) "
+        "(chunk_tokens = 32); the same tokens with image B (another "
+        "mm_features identifier) match 128 tokens instead of at most 64 (CPU, "
+        "vLLM 0.28.0)",
+        _T + "index/chunk_index.py (hash_keys folds token ids only), "
+        "adapter/connector.py get_num_new_matched_tokens"),
+    KnownDefect(
+        "tutti-skip-reading",
+        "a request that must not read cached KV (prompt_logprobs, "
+        "skip_reading_prefix_cache) is served from the store: vLLM 0.26/0.28's "
+        "scheduler uses the connector's answer as is (0.33 zeroes it)",
+        r"test_request_that_must_not_read_cached_kv_gets_a_miss",
+        r"the connector ignores Request\.skip_reading_prefix_cache",
+        "store a 73-token prompt; replay it with prompt_logprobs = 1 (vLLM sets "
+        "skip_reading_prefix_cache): get_num_new_matched_tokens answers 64 "
+        "(CPU, vLLM 0.28.0)",
+        _T + "adapter/connector.py get_num_new_matched_tokens (never reads "
+        "request.skip_reading_prefix_cache)"),
     KnownDefect(
         "tutti-local-hit-alignment",
         "a local prefix-cache hit breaks chunk alignment: the match starts at "

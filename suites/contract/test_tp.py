@@ -95,6 +95,29 @@ def _store_then_replay(rig: TP.TPRig, n: int) -> tuple[Any, Any]:
     return first, second
 
 
+def _check_round_trip(rig: TP.TPRig, n: int, what: str) -> None:
+    """Store an n-token prompt, zero every rank's KV, replay it.
+
+    Every rank's slots then hold exactly its own KV, nothing else changed,
+    nothing leaked; ``what`` names the parallel layout in the messages.
+    """
+    _, second = _store_then_replay(rig, n)
+    local, matched, _ = C.external_hit(rig.driver, second)
+    assert matched > 0, (
+        f"{what}: replaying a stored {n}-token prompt matched 0 tokens; the round "
+        "trip needs a hit (check the TP = 1 contract tests first)")
+    g = rig.group
+    assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
+        f"request {second.request_id} started computing at token "
+        f"{g.loaded.get(second.request_id)} although {matched} tokens were matched")
+    C.assert_loaded_kv_bit_identical(g)
+    stray = g.stray_block(second.request_id)
+    assert not stray, stray
+    msg = g.verify_range(second.request_id, 0, n)
+    assert not msg, f"after the replay: {msg}"
+    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("block_size", "num_kv_heads"), CASES,
                          ids=[f"B{b}-H{h}" for b, h in CASES])
@@ -106,21 +129,7 @@ def test_tp_round_trip_is_bit_identical_on_every_rank(
     rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=block_size,
                          num_kv_heads=num_kv_heads,
                          num_blocks=S.pool_blocks(n, block_size))
-    _, second = _store_then_replay(rig, n)
-    local, matched, _ = C.external_hit(rig.driver, second)
-    assert matched > 0, (
-        f"TP {TP_SIZE}: replaying a stored {n}-token prompt matched 0 tokens; the "
-        "round trip needs a hit (check the TP = 1 contract tests first)")
-    g = rig.group
-    assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
-        f"request {second.request_id} started computing at token "
-        f"{g.loaded.get(second.request_id)} although {matched} tokens were matched")
-    C.assert_loaded_kv_bit_identical(g)
-    stray = g.stray_block(second.request_id)
-    assert not stray, stray
-    msg = g.verify_range(second.request_id, 0, n)
-    assert not msg, f"after the replay: {msg}"
-    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+    _check_round_trip(rig, n, f"TP {TP_SIZE}")
 
 
 # (TP, PP): two stages of one layer each; and two stages of two TP ranks each
@@ -149,21 +158,7 @@ def test_pp_round_trip_is_bit_identical_on_every_stage(
     rig = tp_rig_factory(tp_size=tp, pp_size=pp, device=device, block_size=16,
                          num_kv_heads=2, num_layers=2 * pp,
                          num_blocks=S.pool_blocks(n, 16))
-    _, second = _store_then_replay(rig, n)
-    local, matched, _ = C.external_hit(rig.driver, second)
-    assert matched > 0, (
-        f"TP {tp} x PP {pp}: replaying a stored {n}-token prompt matched 0 tokens; "
-        "the round trip needs a hit (check the TP = 1 contract tests first)")
-    g = rig.group
-    assert g.loaded.get(second.request_id, 0) >= min(local + matched, n - 1), (
-        f"request {second.request_id} started computing at token "
-        f"{g.loaded.get(second.request_id)} although {matched} tokens were matched")
-    C.assert_loaded_kv_bit_identical(g)
-    stray = g.stray_block(second.request_id)
-    assert not stray, stray
-    msg = g.verify_range(second.request_id, 0, n)
-    assert not msg, f"after the replay: {msg}"
-    C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+    _check_round_trip(rig, n, f"TP {tp} x PP {pp}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

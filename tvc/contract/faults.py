@@ -721,7 +721,8 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
     ``mark``, ``entries_since`` and one method per kind). Empty: a
     :class:`FileStoreInjector` on the first directory path of the connector's
     ``kv_connector_extra_config`` (after the suite moved it to this session's
-    store folder), else an :class:`ObjectStoreInjector` on the scheduler-side
+    store folder; made when missing, e.g. the exploration's per-sequence
+    stores), else an :class:`ObjectStoreInjector` on the scheduler-side
     connector.
 
     Raises:
@@ -744,8 +745,11 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
             ) from None
     extra = rig.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     for v in _strings(extra):
-        if os.path.isabs(v) and (os.path.isdir(v) or not os.path.exists(v)) and (
-                Path(v).parent.is_dir()):
+        if not os.path.isabs(v) or (os.path.exists(v) and not os.path.isdir(v)):
+            continue
+        # a store folder not made yet (the exploration's per-sequence stores) is
+        # one when the suite owns a folder above it
+        if run_store.owned_ancestor(Path(v)) is not None or Path(v).parent.is_dir():
             if run_store.owned_ancestor(Path(v)) is None:
                 raise FaultConfigError(
                     f"kv_connector_extra_config path {v!r} is in no folder the suite "

@@ -58,6 +58,34 @@ class SharedFileAcrossRanksConnector(SyncPanelConnector):
     correct shape is ``RankAwarePanelConnector``.)"""
 
 
+class ReportsReceiveTwiceConnector(AsyncPanelConnector):
+    """Fault: names every finished asynchronous receive in finished_recving in
+    the step its load completed and again in the next step."""
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        sending, recv = super().get_finished(finished_req_ids)
+        again, self._again = getattr(self, "_again", set()), set(recv or ())
+        both = set(recv or ()) | again
+        return sending, both or None
+
+
+class LandsAfterForwardConnector(SyncPanelConnector):
+    """Fault: start_load_kv only queues the step's loads and wait_for_save (after
+    the forward) copies them: the forward reads the blocks before the KV is in
+    them, and by the end of the step they hold it."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        self._late = list(meta.loads)
+
+    def wait_for_save(self) -> None:
+        for job in getattr(self, "_late", ()):
+            self._load(job)
+        self._late = []
+        super().wait_for_save()
+
+
 class StageBlindRankConnector(RankAwarePanelConnector):
     """Fault (under PP > 1): names its per-rank files by the TP rank alone, so
     the workers of two pipeline stages share one file per chunk: the first

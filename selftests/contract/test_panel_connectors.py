@@ -241,6 +241,8 @@ def test_the_pp_harness_catches_stages_sharing_one_file(tmp_path: Path) -> None:
         assert re.search(r"PP stage [01] of 2, layers model\.layers\.", t["message"]), (
             t["message"])
         assert "does not hold the KV that was stored" in t["message"], t["message"]
+        # the panel reports the entries it could not read: the red says so
+        assert "reported load errors on rank(s)" in t["message"], t["message"]
 
 
 def test_a_real_leak_is_still_named_a_leak(tmp_path: Path) -> None:
@@ -330,6 +332,8 @@ def test_keys_that_assume_sha256_are_caught(tmp_path: Path) -> None:
         assert t["outcome"] == "failed", (algo, t, run.tail(2000))
         assert "the connector matched 0" in t["message"], t["message"]
         assert "hit_rule expects" in t["message"], t["message"]
+        assert f"under --prefix-caching-hash-algo {algo}" in t["message"]
+        assert "keys assume sha256" in t["message"], t["message"]
 
 
 def test_keys_that_ignore_the_image_are_caught(tmp_path: Path) -> None:
@@ -344,3 +348,34 @@ def test_keys_that_ignore_the_image_are_caught(tmp_path: Path) -> None:
     # its keys cover everything else the panel's do: the model tests stay green
     t = run.test("test_another_model_on_one_store_gets_a_miss[cpu-same_shape]")
     assert t["outcome"] == "passed", (t, run.tail(2000))
+
+
+def test_a_load_that_lands_after_the_forward_is_named_so(tmp_path: Path) -> None:
+    """The forward read poisoned slots, the copy landed in wait_for_save: the
+    red says what the forward saw and why the slots look right afterwards
+    (fresh-user finding: the message was 'request req-154: .')."""
+    run = run_contract(tmp_path, "late", "LandsAfterForwardConnector", 16,
+                       module="panel_bad_connectors",
+                       select=[SCEN, "-m", "contract", "-k",
+                               "local_prefix_cache_hit and cpu"])
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    msg = t["message"]
+    assert re.search(r"request req-\d+: layer model\.layers\.\d\.self_attn\.attn: "
+                     r"token \d+", msg), msg
+    assert "when the forward read it" in msg and "landed after the forward" in msg
+
+
+def test_a_receive_reported_twice_is_named_with_its_cause(tmp_path: Path) -> None:
+    """vLLM's own assert on a second finished_recving gets the cause and the
+    method (fresh-user finding: only the bare assert was shown)."""
+    run = run_contract(tmp_path, "twice", "ReportsReceiveTwiceConnector", 16,
+                       module="panel_bad_connectors",
+                       select=[SCHED, "-m", "contract", "-k",
+                               "async_load_completes"])
+    t = run.test("test_async_load_completes_through_finished_receiving")
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    msg = t["message"]
+    assert "assert RequestStatus.is_finished(req.status)" in msg, msg
+    assert "Known cause: get_finished named in finished_recving a request" in msg
+    assert "a receive reported twice" in msg, msg

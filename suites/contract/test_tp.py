@@ -114,8 +114,25 @@ def _check_round_trip(rig: TP.TPRig, n: int, what: str) -> None:
     stray = g.stray_block(second.request_id)
     assert not stray, stray
     msg = g.verify_range(second.request_id, 0, n)
-    assert not msg, f"after the replay: {msg}"
+    assert not msg, f"after the replay: {msg}{_reported(g)}"
     C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
+
+
+def _reported(group: TP.TPWorkerGroup) -> str:
+    """The ranks that reported load errors, as a sentence (or "")."""
+    by_rank: dict[int, set[int]] = {}
+    for outs in group.rank_outputs:
+        for r, out in enumerate(outs):
+            by_rank.setdefault(r, set()).update(out.invalid_block_ids or ())
+    told = {r: sorted(b) for r, b in by_rank.items() if b}
+    if not told:
+        return ""
+    return (f". The connector reported load errors on rank(s) "
+            f"{', '.join(f'{r} (blocks {b})' for r, b in sorted(told.items()))} "
+            "through get_block_ids_with_load_errors: their stored entries were "
+            "missing or damaged when they loaded — another rank or pipeline stage "
+            "wrote the same files (name them by parallel_config.rank, which is "
+            "unique per worker), or the entries never reached the store")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -315,8 +315,7 @@ class VllmSection(Section):
             raise Refusal(f"{shorten(sizes)} must list sizes of 1 or more")
         if len(sizes) > MAX_TP_SIZES or max(sizes) > MAX_TP_SIZE:
             raise Refusal(f"{shorten(sizes)} must list at most {MAX_TP_SIZES} sizes "
-                          f"of at most {MAX_TP_SIZE} (GPUs of one tensor-parallel "
-                          "group)")
+                          f"of at most {MAX_TP_SIZE} (GPUs of one parallel group)")
         return sizes
 
     @field_validator("env")

@@ -1222,8 +1222,17 @@ def block_hash_algorithm(make_rig: MakeRig, profile: Any, algo: str
             f"prefix_caching_hash_algo={algo} needs the Python package {pkg!r}, "
             "an optional dependency of vLLM that this environment lacks. Fix: "
             f"pip install {pkg}") from None
-    out = shared_prefixes(functools.partial(make_rig, hash_algo=algo), profile,
-                          True)
+    try:
+        out = shared_prefixes(functools.partial(make_rig, hash_algo=algo), profile,
+                              True)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"under --prefix-caching-hash-algo {algo} (vLLM hashes every "
+            f"request's blocks with {algo}; the other contract tests run the "
+            f"default sha256): {exc}. A connector whose keys assume sha256 (its "
+            "own re-computation of vLLM's block hashes, a fixed digest width) "
+            "misses or mismatches here: key by request.block_hashes as given, or "
+            "hash the tokens itself on both sides") from exc
     return {"algo": algo, **out}
 
 

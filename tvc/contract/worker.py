@@ -857,6 +857,24 @@ class ConnectorWorker:
             self.unrecomputed |= set(
                 self.block_table[rid][first // b: -(-start // b)])
 
+    def _mismatch_text(self, rid: str, start: int, bad: tuple[int, str]) -> str:
+        """What was wrong in request ``rid``'s first ``start`` tokens.
+
+        :meth:`verify_range` now (a subclass names its rank); when the slots hold
+        the stored KV by now, the mismatch the forward saw (``bad``), with why:
+        the load landed after the forward read the KV.
+        """
+        now = self.verify_range(rid, 0, start)
+        if now:
+            return now
+        where = getattr(self, "where", None)
+        head = f"{where()}, " if callable(where) else ""
+        return (f"{head}{bad[1]} when the forward read it; by the end of the step "
+                "the slots held the stored KV: the load landed after the forward "
+                "(the connector reported it done — finished_recving, or "
+                "start_load_kv / wait_for_layer_load returned — before its copy "
+                "was complete)")
+
     def _judge_loads(self, checks: list[tuple[str, int, tuple[int, str] | None]],
                      invalid: set[int], expected: dict[str, tuple[int, int]],
                      failed_reqs: set[str] | None) -> None:
@@ -894,7 +912,7 @@ class ConnectorWorker:
                               if blk in invalid), None)
             first_bad = None if bad is None else bad[0] // b
             # the sentence through verify_range (a subclass may name its rank)
-            what = self.verify_range(rid, 0, start) if bad is not None else ""
+            what = self._mismatch_text(rid, start, bad) if bad is not None else ""
             if first_rep is None:
                 if bad is not None:
                     self.load_errors.append(f"request {rid}: {what}")

@@ -133,6 +133,16 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str | Callable[[str], str]], ...] = (
      "whatever request_finished answered, so get_finished must not name it in "
      "finished_sending afterwards (request_finished should return False for a "
      "request with nothing to save), nor name any request twice"),
+    # the same function: a finished_recving for a request that is neither waiting
+    # for remote KV nor finished
+    (re.compile(r"_update_from_kv_xfer_finished\)?: assert "
+                r"RequestStatus\.is_finished\(req\.status\)"),
+     "get_finished named in finished_recving a request that is neither "
+     "WAITING_FOR_REMOTE_KVS nor finished: a receive reported twice, one "
+     "reported for a load get_num_new_matched_tokens declared synchronous "
+     "(load_kv_async=False), or one reported after vLLM already counted it; "
+     "report each asynchronous receive exactly once, in the step its load "
+     "completed (KVConnectorBase_V1.get_finished)"),
     # stores/tutti_nvme/store.py:2013
     (re.compile(r"runtime=None 需要 TUTTI_NVME_PRESET"),
      "the tutti_nvme store needs TUTTI_NVME_PRESET (inline yaml/json or a file "

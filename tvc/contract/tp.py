@@ -165,6 +165,9 @@ class TPRankWorker(ConnectorWorker):
         self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.fault = fault
         self.injected_invalid: set[int] = set()
+        #: this rank's connector calls (tvc.contract.coverage), set by the rank
+        #: process; the parent merges them into the rig's log
+        self.coverage: Any = None
         # the rank process inherits the profile's [vllm] env (make_tp_rig)
         super().__init__(vllm_config, kv_cache_config, device,
                          decide_model_runner(vllm_config))
@@ -199,6 +202,12 @@ class TPRankWorker(ConnectorWorker):
 
     def execute(self, so: Any, meta: Any) -> Any:
         """One step (see :meth:`ConnectorWorker.execute`), plus the rank fault."""
+        cov = self.coverage
+        if cov is not None:  # what the driver sets on the parent's log
+            cov.step += 1
+            cov.loading = any(nr.num_computed_tokens > 0
+                              for nr in so.scheduled_new_reqs)
+            cov.preempted = bool(getattr(so, "preempted_req_ids", None))
         before = dict(self.loaded)
         out = super().execute(so, meta)
         if self.fault == "load_error":
@@ -238,6 +247,11 @@ def _rank_main(rank: int, tp_size: int, backend: str, init_method: str,
                               vllm_config=vllm_config, pipeline_parallel_size=pp):
             worker = TPRankWorker(vllm_config, kv_cache_config, device, rank=rank,
                                   tp_size=tp_size, fault=fault)
+            from tvc.contract.coverage import CoverageLog
+            from tvc.contract.rig import note_rig
+
+            worker.coverage = CoverageLog()
+            note_rig(worker.coverage, vllm_config, kv_cache_config, worker)
             conn.send(("ready", rank))
             _serve(worker, conn)
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
@@ -273,6 +287,8 @@ def _serve(worker: TPRankWorker, conn: Any) -> None:
                 res = worker.stray_block(*args)
             elif cmd == "injected":
                 res = sorted(worker.injected_invalid)
+            elif cmd == "coverage":
+                res = dict(worker.coverage.hits) if worker.coverage else {}
             else:
                 raise ValueError(f"unknown rank command {cmd!r}")
         except BaseException:  # noqa: BLE001 - report, keep serving
@@ -455,6 +471,17 @@ class TPWorkerGroup:
         """Every rank's :meth:`TPRankWorker.stray_block`; the first failure or ''."""
         return next((m for m in self._all("stray", req_id) if m), "")
 
+    def merge_coverage(self, log: Any) -> None:
+        """Add every rank's recorded connector calls to ``log`` (rank named).
+
+        Args:
+            log: the rig's :class:`tvc.contract.coverage.CoverageLog`.
+
+        """
+        for r, hits in enumerate(self._all("coverage")):
+            for key, notes in hits.items():
+                log.hit(key, f"rank {r}: {notes[0]}" if notes else f"rank {r}")
+
     def injected_invalid(self) -> list[list[int]]:
         """Per rank, the block ids reported invalid by its harness-side fault."""
         return self._all("injected")
@@ -515,7 +542,10 @@ class TPRig(SchedulerSideMixin):
     driver: EngineDriver
 
     def close(self) -> None:
-        """Stop the ranks and shut the scheduler-side connector down."""
+        """Take the ranks' coverage, stop them, shut the scheduler side down."""
+        with contextlib.suppress(Exception):  # a rank that died: nothing to add
+            if self.group._procs:  # noqa: SLF001 - still running
+                self.group.merge_coverage(self.driver.coverage)
         self.group.close()
         c = self.scheduler.connector
         if c is not None and hasattr(c, "shutdown"):
@@ -566,7 +596,8 @@ def note_tp_rig(rig: TPRig) -> Any:
     The settings and layer kinds of the TP config, and
     ``KVConnectorWorkerMetadata.aggregate`` where two or more ranks returned
     worker metadata in one step (vLLM's ``KVOutputAggregator`` merged them).
-    The ranks' own connector calls run in their processes and are not recorded.
+    The ranks' own connector calls are recorded in their processes and added
+    by :meth:`TPRig.close` (:meth:`TPWorkerGroup.merge_coverage`).
     """
     log = rig.driver.coverage
     log.note_config(rig.vllm_config)

@@ -70,6 +70,22 @@ class ReportsReceiveTwiceConnector(AsyncPanelConnector):
         return sending, both or None
 
 
+class RawBlockBytesConnector(SyncPanelConnector):
+    """Fault: moves each block's raw bytes in the physical order of its KV
+    buffer (as a GPU-direct store copies pages) and keys entries by model and
+    shape but not by the layout: an engine on another layout (HND vs NHD) on
+    the same store gets the right bytes in the wrong order."""
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        flat = {}
+        for name, t in kv_caches.items():
+            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+            phys = t.permute(order)  # the buffer as it lies in memory
+            assert phys.is_contiguous(), (name, t.shape, t.stride())
+            flat[name] = phys.reshape(phys.shape[0], -1)  # (blocks, elements)
+        super().register_kv_caches(flat)
+
+
 class LandsAfterForwardConnector(SyncPanelConnector):
     """Fault: start_load_kv only queues the step's loads and wait_for_save (after
     the forward) copies them: the forward reads the blocks before the KV is in

@@ -87,6 +87,7 @@ RAN = ("test_second_pass_matches_declared_hit_rule[16]",
        "test_another_model_on_one_store_gets_a_miss[cpu-num_kv_heads]",
        "test_another_model_on_one_store_gets_a_miss[cpu-dtype]",
        "test_another_model_on_one_store_gets_a_miss[cpu-cache_dtype]",
+       "test_another_model_on_one_store_gets_a_miss[cpu-kv_layout]",
        "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-sha256_cbor]",
        "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-xxhash]",
        "test_block_hash_algorithm_keeps_hits_and_loads_exact[cpu-xxhash_cbor]",
@@ -291,6 +292,10 @@ def test_hit_rules_alone_check_the_scenarios_hits(cls: str, red: bool,
     assert "the profile's hit_rule expects" in t["message"], t["message"]
 
 
+VARIANTS = ("same_shape", "head_size", "num_kv_heads", "dtype", "cache_dtype",
+            "kv_layout")
+
+
 @pytest.mark.parametrize(("cls", "caught"), [
     ("IgnoresTheModelConnector", {
         "same_shape": "the model", "head_size": "the model",
@@ -299,19 +304,25 @@ def test_hit_rules_alone_check_the_scenarios_hits(cls: str, red: bool,
     # keys by model and shape: only the element-type variants can see it
     ("IgnoresTheKVDtypeConnector", {
         "dtype": "the model's dtype", "cache_dtype": "the KV cache dtype"}),
+    # raw block bytes, keys without the layout: only the layout variant
+    ("RawBlockBytesConnector", {"kv_layout": "the KV cache layout"}),
 ])
 def test_a_store_shared_by_two_models_is_caught(cls: str, caught: dict[str, str],
                                                 tmp_path: Path) -> None:
     run = run_contract(tmp_path, "onemodel", cls, 16, module="panel_bad_connectors",
                        select=["suites/contract/test_connector_api.py", "-m",
                                "contract", "-k", "another_model"])
-    for variant in ("same_shape", "head_size", "num_kv_heads", "dtype",
-                    "cache_dtype"):
+    for variant in VARIANTS:
         t = run.test(f"[cpu-{variant}]")
         if variant not in caught:
             assert t["outcome"] == "passed", (variant, t, run.tail(2000))
             continue
         assert t["outcome"] == "failed", (variant, t, run.tail(2000))
+        if variant == "kv_layout":  # the same values: a hit, the wrong bytes
+            assert f"the connector's keys ignore {caught[variant]} and it copies " \
+                "raw block bytes" in t["message"], t["message"]
+            assert "does not hold the KV that was stored" in t["message"]
+            continue
         assert f"its keys ignore {caught[variant]}, so model B reads model A's KV" \
             in t["message"], t["message"]
 

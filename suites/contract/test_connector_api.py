@@ -83,4 +83,5 @@ def test_another_model_on_one_store_gets_a_miss(make_rig, contract_profile, vari
                          variant, record_property=record_property)
     # model A hit twice (the store outlives a connector); model B was not served
     assert out["hit_a"] > 0 and out["hit_a_again"] > 0, out
-    assert out["hit_b"] == 0 or out["refused"], out
+    # a miss, a refusal, or (the same KV values in another layout) exact loads
+    assert out["hit_b"] == 0 or out["refused"] or out.get("same_kv_loads_exact"), out

@@ -1101,7 +1101,15 @@ OTHER_MODEL: dict[str, tuple[dict[str, Any], str, str, str]] = {
                     "the same model with --kv-cache-dtype fp8 instead of auto "
                     "(float16)", "the KV cache dtype",
                     "config:CacheConfig.cache_dtype"),
+    "kv_layout": ({"kv_layout": "HND"},
+                  "the same model with VLLM_KV_CACHE_LAYOUT=HND instead of NHD (the "
+                  "same KV values, another byte order in every block)",
+                  "the KV cache layout", "config:CacheConfig.kv_cache_layout"),
 }
+#: variants whose KV VALUES equal model A's: a hit is right when the loaded KV is
+#: bit-identical (a connector that moves KV through the logical tensor view), wrong
+#: when it is not (raw block bytes reinterpreted in another layout)
+SAME_KV = frozenset({"kv_layout"})
 
 
 #: the token id of every multimodal placeholder position in the scenarios (one id
@@ -1264,9 +1272,13 @@ def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
        replays the prompt: a miss (0 matched tokens). Refusing to build for a
        store that holds another model's KV is a clean answer too.
 
+    For :data:`SAME_KV` variants (another KV layout: the same values in
+    another byte order) a hit is allowed when every load is bit-identical.
+
     Returns:
-        ``hit_a``, ``hit_a_again``, ``hit_b`` (tokens) and ``refused`` (the
-        refusal's first line, or "").
+        ``hit_a``, ``hit_a_again``, ``hit_b`` (tokens), ``refused`` (the
+        refusal's first line, or "") and, for :data:`SAME_KV` variants,
+        ``same_kv_loads_exact`` (model B hit and loaded exactly its KV).
 
     Raises:
         NotApplicable: the store does not outlive the connector instance.
@@ -1295,6 +1307,19 @@ def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
         return {"hit_a": hit_a, "hit_a_again": hit_a2, "hit_b": 0,
                 "refused": f"{type(exc).__name__}: {line}"}
     model_b = b.vllm_config.model_config.model
+    if variant in SAME_KV:
+        wa, wb = real_worker(a), real_worker(b)
+        if wa is None or wb is None:
+            raise NotApplicable(
+                f"{what}: a hit may be right (the same KV values), so only the "
+                "loaded bytes can judge it, and no worker side runs on this device "
+                f"(connector.worker_devices = "
+                f"{profile['connector']['worker_devices']})")
+        if wa.layout.kv_layout == wb.layout.kv_layout:
+            raise NotApplicable(
+                f"{what}: the connector's worker registered the {wb.layout.kv_layout} "
+                "layout for both (it requires one: get_required_kvcache_layout), "
+                "so no other byte order can reach it")
     replay_b = _replay(b, stored)
     crashed = ""
     try:
@@ -1304,6 +1329,18 @@ def another_model_on_one_store(make_rig: MakeRig, profile: Any, variant: str
         crashed = f" Loading it then raised {type(exc).__name__}: {first}"
     _local, hit_b, _ = external_hit(b.driver, replay_b)
     b.driver.coverage.hit(entry, f"{variant}: {hit_b} tokens matched for model B")
+    if variant in SAME_KV and not crashed:
+        w = real_worker(b)
+        assert w is not None and not w.load_errors, (
+            f"one store, two engines: an engine with {what} was served {hit_b} "
+            f"tokens of a {stored.num_prompt_tokens}-token prompt the other engine "
+            f"stored, and they are not its KV: {w.load_errors[0] if w else ''}. The "
+            f"values are the same, so a hit is fine, but the connector's keys "
+            f"ignore {ignored} and it copies raw block bytes: key entries by the "
+            "layout too, or move KV through the tensors' logical shape")
+        finish(b)
+        return {"hit_a": hit_a, "hit_a_again": hit_a2, "hit_b": hit_b,
+                "refused": "", "same_kv_loads_exact": hit_b > 0}
     assert hit_b == 0 and not crashed, (
         f"one store, two models: a connector for model B ({what}) answered {hit_b} "
         f"matched tokens for a {stored.num_prompt_tokens}-token prompt only model A "

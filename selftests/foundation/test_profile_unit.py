@@ -538,5 +538,5 @@ def test_declared_hooks_accept_their_forms() -> None:
     assert prof["connector"]["worker_report"] == "standin"
     assert prof["vllm"]["tensor_parallel_sizes"] == [1, 2]
     assert prof["e2e"] == {"prompt_tokens": 600, "concurrency": 16, "baseline": True,
-                           "load_failure_fault": "fail_load",
+                           "load_failure_fault": "fail_load", "boundary_repeats": 3,
                            "logprob_atol": 0.1, "seed": 0}

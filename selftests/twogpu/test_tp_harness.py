@@ -51,11 +51,17 @@ def test_tp_safe_connector_passes_every_cpu_case(tmp_path: Path) -> None:
     assert run.rc == 0, run.tail()
     outcomes = {t["nodeid"].split("::")[-1]: t["outcome"]
                 for t in run.summary["tests"]}
-    assert sorted(outcomes) == sorted([
-        "test_tp_round_trip_is_bit_identical_on_every_rank[B16-H2-cpu-gloo]",
-        "test_tp_round_trip_is_bit_identical_on_every_rank[B16-H4-cpu-gloo]",
-        "test_tp_load_error_on_one_rank_reaches_the_scheduler[cpu-gloo]"]), outcomes
-    assert set(outcomes.values()) == {"passed"}, outcomes
+    tp = ["test_tp_round_trip_is_bit_identical_on_every_rank[B16-H2-cpu-gloo]",
+          "test_tp_round_trip_is_bit_identical_on_every_rank[B16-H4-cpu-gloo]",
+          "test_tp_load_error_on_one_rank_reaches_the_scheduler[cpu-gloo]"]
+    # the profile claims TP 2 only: the pipeline-parallel cases skip, saying so
+    pp = ["test_pp_round_trip_is_bit_identical_on_every_stage[TP1-PP2-cpu-gloo]",
+          "test_pp_round_trip_is_bit_identical_on_every_stage[TP2-PP2-cpu-gloo]"]
+    assert sorted(outcomes) == sorted(tp + pp), outcomes
+    assert {outcomes[n] for n in tp} == {"passed"}, outcomes
+    assert {outcomes[n] for n in pp} == {"skipped"}, outcomes
+    pp_msg = [t["message"] for t in run.summary["tests"] if "test_pp_" in t["nodeid"]]
+    assert all("pipeline_parallel_sizes" in m for m in pp_msg), pp_msg
 
 
 @pytest.mark.parametrize(("cls", "select", "needles"), [

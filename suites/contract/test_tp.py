@@ -149,7 +149,7 @@ def test_tp_round_trip_is_bit_identical_on_every_rank(
     _check_round_trip(rig, n, f"TP {TP_SIZE}")
 
 
-# (TP, PP): two stages of one layer each; and two stages of two TP ranks each
+# (TP, PP): two stages of two layers each, with one TP rank and with two
 PP_CASES = [(1, 2), (2, 2)]
 
 

@@ -264,21 +264,18 @@ def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
 def kv_cache_dtype(vllm_config: Any) -> Any:
     """The KV cache's element type, as the model runner resolves it.
 
-    ``CacheConfig.cache_dtype`` ``auto`` is the model's dtype, another name is
-    looked up in vLLM's ``STR_DTYPE_TO_TORCH_DTYPE`` (``fp8`` ->
-    ``torch.float8_e4m3fn``), as ``kv_cache_dtype_str_to_dtype``
-    (``vllm/utils/torch_utils.py``, used by ``GPUModelRunner.__init__``) does.
+    vLLM's own ``kv_cache_dtype_str_to_dtype`` (``vllm/utils/torch_utils.py``,
+    0.26-0.33, used by ``GPUModelRunner.__init__``): ``auto`` is the model's
+    dtype; ``fp8`` is stored as ``torch.uint8``.
 
     Returns:
         a ``torch.dtype``.
 
     """
-    name = vllm_config.cache_config.cache_dtype
-    if name == "auto":
-        return vllm_config.model_config.dtype
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-    return STR_DTYPE_TO_TORCH_DTYPE[name]
+    return kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype,
+                                       vllm_config.model_config)
 
 
 def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:

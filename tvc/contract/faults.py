@@ -749,8 +749,9 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
             continue
         # a store folder not made yet (the exploration's per-sequence stores) is
         # one when the suite owns a folder above it
-        if run_store.owned_ancestor(Path(v)) is not None or Path(v).parent.is_dir():
-            if run_store.owned_ancestor(Path(v)) is None:
+        owned = run_store.owned_ancestor(Path(v))
+        if owned is not None or Path(v).parent.is_dir():
+            if owned is None:
                 raise FaultConfigError(
                     f"kv_connector_extra_config path {v!r} is in no folder the suite "
                     f"owns (no {run_store.OWNER_MARKER} marker at or above it): the "

@@ -683,12 +683,9 @@ def _shared_with_others(w: WaveResult, i: int) -> int:
     mine = w.prompts.get(w.plan.requests[i], [])
     best = 0
     for j, other in enumerate(w.plan.requests):
-        if j == i:
-            continue
-        theirs = w.prompts.get(other, [])
-        n = next((k for k, (a, b) in enumerate(zip(mine, theirs, strict=False))
-                  if a != b), min(len(mine), len(theirs)))
-        best = max(best, n)
+        if j != i:
+            diff = tp._first_mismatch(mine, w.prompts.get(other, []))
+            best = max(best, len(mine) if diff is None else diff)
     return best
 
 

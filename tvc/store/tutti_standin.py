@@ -125,6 +125,7 @@ class StandInKVStore:
                 f"store.options.busy_us: expected an integer of 0 to {MAX_BUSY_US} "
                 f"(microseconds), got {type(busy_us).__name__} {busy_us!r}")
         self.busy_us: int = busy_us
+        self._busy_cycles: int | None = None
         if order not in ORDERS:
             raise StandInStoreError(
                 f"store.options.order: expected one of {', '.join(ORDERS)}, got "
@@ -403,9 +404,11 @@ class StandInKVStore:
             return
         import torch
 
-        khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
-        cycles_per_us = khz / 1000 if khz else 1500.0  # H200: 1,980 MHz
-        torch.cuda._sleep(int(self.busy_us * cycles_per_us))
+        if self._busy_cycles is None:  # once: the clock does not change
+            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+            cycles_per_us = khz / 1000 if khz else 1500.0  # H200: 1,980 MHz
+            self._busy_cycles = int(self.busy_us * cycles_per_us)
+        torch.cuda._sleep(self._busy_cycles)
 
     def _sync(self, device: Any) -> None:
         """``order = "sync"``: wait for the whole device (a diagnostic)."""

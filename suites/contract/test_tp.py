@@ -26,6 +26,7 @@ from tvc.config.profile import Profile
 from tvc.contract import scenarios as S
 from tvc.contract import tp as TP
 from tvc.contract.coverage import PROPERTY, merge_logs
+from tvc.env import hardware
 
 pytestmark = [pytest.mark.contract]
 
@@ -37,8 +38,19 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu-gloo"),
 CASES = [(16, 2), (16, 4)]
 
 
-def _gate(profile: Profile, device: str, missing_hardware: Any, tp: int = TP_SIZE,
-          pp: int = 1) -> None:
+def _gate(profile: Profile, device: str, missing_hardware: Any, hw: dict[str, Any],
+          tp: int = TP_SIZE, pp: int = 1) -> None:
+    """Skip a variant this profile does not claim or this host cannot run.
+
+    The host decides before any rank process starts: the NCCL variant needs one
+    GPU per rank; the gloo variant needs vLLM's platform to accept the world
+    size. On a host where vLLM's platform is CUDA, ``ParallelConfig``
+    (``vllm/config/parallel.py``, ``__post_init__``, 0.26-0.33) refuses a world
+    size above the GPU count ("World size (2) is larger than the number of
+    available GPUs (1) in this node") before any connector code runs: that is
+    the host's limit, reported as the missing ``gpu2`` level (a skip, a failure
+    only under ``--tvc-require gpu2``), never as a red against the profile.
+    """
     sizes = TP.declared_tp_sizes(profile)
     if tp > 1 and tp not in sizes:
         pytest.skip(f"profile {profile.name} declares [vllm] tensor_parallel_sizes = "
@@ -53,12 +65,17 @@ def _gate(profile: Profile, device: str, missing_hardware: Any, tp: int = TP_SIZ
         pytest.skip(f"profile {profile.name}: connector.worker_devices "
                     f"{profile['connector']['worker_devices']} lacks {device}; this "
                     "case runs as the other device's variant")
-    if device == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < tp * pp:
-            missing_hardware("gpu2", f"torch sees {torch.cuda.device_count()} CUDA "
-                             f"device(s); TP {tp} x PP {pp} needs one per rank.")
+    gpus = hardware.visible_gpus(hw)
+    if device == "cuda" and gpus < tp * pp:
+        missing_hardware("gpu2", f"this host has {gpus} CUDA device(s); TP {tp} x "
+                         f"PP {pp} over NCCL needs one per rank.")
+    if device == "cpu" and 0 < gpus < tp * pp:
+        missing_hardware("gpu2", f"this host has {gpus} CUDA device(s), so vLLM's "
+                         f"platform is CUDA and its ParallelConfig refuses a world "
+                         f"size of {tp * pp} ('World size ({tp * pp}) is larger than "
+                         f"the number of available GPUs ({gpus}) in this node'): the "
+                         "gloo variant runs on a CPU-only box (CI runs it), the NCCL "
+                         f"variant on a host with {tp * pp} GPUs.")
 
 
 @pytest.fixture
@@ -140,8 +157,8 @@ def _reported(group: TP.TPWorkerGroup) -> str:
                          ids=[f"B{b}-H{h}" for b, h in CASES])
 def test_tp_round_trip_is_bit_identical_on_every_rank(
         tp_rig_factory, contract_profile, device, block_size, num_kv_heads,
-        tvc_missing_hardware) -> None:
-    _gate(contract_profile, device, tvc_missing_hardware)
+        tvc_missing_hardware, tvc_hw) -> None:
+    _gate(contract_profile, device, tvc_missing_hardware, tvc_hw)
     n = S.round_trip_len(contract_profile, block_size)  # whole chunks + a tail
     rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=block_size,
                          num_kv_heads=num_kv_heads,
@@ -158,7 +175,7 @@ PP_CASES = [(1, 2), (2, 2)]
                          ids=[f"TP{t}-PP{p}" for t, p in PP_CASES])
 def test_pp_round_trip_is_bit_identical_on_every_stage(
         tp_rig_factory, contract_profile, device, tp, pp,
-        tvc_missing_hardware) -> None:
+        tvc_missing_hardware, tvc_hw) -> None:
     """Pipeline parallelism: each worker registers only its stage's layers.
 
     vLLM splits the model's layers over the stages (``get_pp_indices``) and runs
@@ -170,7 +187,7 @@ def test_pp_round_trip_is_bit_identical_on_every_stage(
     stage also uses (a layer's position in its dict, one file per rank and
     chunk named by the TP rank alone) loads the other stage's KV and differs.
     """
-    _gate(contract_profile, device, tvc_missing_hardware, tp=tp, pp=pp)
+    _gate(contract_profile, device, tvc_missing_hardware, tvc_hw, tp=tp, pp=pp)
     n = S.round_trip_len(contract_profile, 16)
     rig = tp_rig_factory(tp_size=tp, pp_size=pp, device=device, block_size=16,
                          num_kv_heads=2, num_layers=2 * pp,
@@ -180,7 +197,7 @@ def test_pp_round_trip_is_bit_identical_on_every_stage(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tp_load_error_on_one_rank_reaches_the_scheduler(
-        tp_rig_factory, contract_profile, device, tvc_missing_hardware) -> None:
+        tp_rig_factory, contract_profile, device, tvc_missing_hardware, tvc_hw) -> None:
     """Rank 1 reports the blocks it loaded as invalid; rank 0 reports none.
 
     With ``kv_load_failure_policy = "fail"`` (vLLM's default) vLLM must finish
@@ -189,7 +206,7 @@ def test_tp_load_error_on_one_rank_reaches_the_scheduler(
     """
     from vllm.v1.request import RequestStatus
 
-    _gate(contract_profile, device, tvc_missing_hardware)
+    _gate(contract_profile, device, tvc_missing_hardware, tvc_hw)
     ktc = dict(contract_profile.kv_transfer_config(), kv_load_failure_policy="fail")
     n = S.round_trip_len(contract_profile, 16)
     rig = tp_rig_factory(tp_size=TP_SIZE, device=device, block_size=16,

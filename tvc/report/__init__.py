@@ -1,0 +1,1 @@
+"""The report wing: run folders read back, tables and pages (no pytest here)."""

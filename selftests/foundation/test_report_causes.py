@@ -260,3 +260,18 @@ def test_templates_escape_html_but_not_markdown(tmp_path) -> None:
     assert "expected <block> & got 'x'" in md
     assert "expected &lt;block&gt; &amp; got &#39;x&#39;" in page
     assert "<block>" not in page
+
+
+def test_page_lists_the_ten_slowest_tests_slowest_first(tmp_path) -> None:
+    tests = [{**_t(f"suites/contract/test_x.py::test_{i}", "passed"),
+              "duration_s": float(i)} for i in range(13)]
+    tests.append({**_t("suites/contract/test_x.py::test_skip", "skipped"),
+                  "duration_s": 0.0})
+    md, page = _page(tmp_path, _summary(tests, {"outcome": "passed",
+                                                "exit_status": 0}))
+    section = md[md.index("## Where the time went"):]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "`" in ln]
+    assert len(rows) == 10
+    assert rows[0] == "| 12.0 | passed | `suites/contract/test_x.py::test_12` |"
+    assert rows[-1] == "| 3.0 | passed | `suites/contract/test_x.py::test_3` |"
+    assert "test_skip" not in section and "The 10 slowest tests" in page

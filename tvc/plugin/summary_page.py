@@ -45,6 +45,7 @@ _TRACE_FILE = re.compile(r"^(?P<variant>[a-z]+)-(?P<mode>populate|interleave|str
                          r"\.json$")
 _BW = re.compile(r"gbps|gb_s|gb/s|gbytes_per_s", re.I)
 NAMES_SHOWN = 6  # test names listed per merged reason before "and N more"
+SLOWEST_SHOWN = 10  # the slowest tests listed under "Where the time went"
 _BW_LIMIT = re.compile(r"threshold|expected|required|target", re.I)
 DIRECTION_STYLE = {"write": ("tab:blue", "o"), "read": ("tab:orange", "s")}
 
@@ -550,6 +551,23 @@ def _catalogued(s: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {f["key"]: f for f in s.get("findings") or [] if f.get("key") != "test"}
 
 
+def slowest_tests(summary: Mapping[str, Any], limit: int = SLOWEST_SHOWN
+                  ) -> list[dict[str, str]]:
+    """The run's slowest tests, slowest first (call phase, from ``summary.json``).
+
+    Returns:
+        up to ``limit`` dicts with ``nodeid``, ``outcome`` and ``seconds``
+        (text, one decimal); tests under 0.05 s (skips) are left out.
+
+    """
+    timed = [t for t in summary.get("tests") or ()
+             if isinstance(t.get("duration_s"), (int, float))
+             and t["duration_s"] >= 0.05]
+    timed.sort(key=lambda t: -t["duration_s"])
+    return [{"nodeid": str(t.get("nodeid", "")), "outcome": str(t.get("outcome", "")),
+             "seconds": f"{t['duration_s']:.1f}"} for t in timed[:limit]]
+
+
 def page_model(data: Mapping[str, Any], charts: Mapping[str, Path | None],
                note: str = "") -> dict[str, Any]:
     """Everything the page templates show, as plain values (strings, lists).
@@ -640,6 +658,7 @@ def page_model(data: Mapping[str, Any], charts: Mapping[str, Path | None],
                          if trace else ""),
         "ttft_chart": _chart(charts, "ttft", data),
         "critical_path": list(tl.get("critical_path") or ()),
+        "slowest": slowest_tests(s),
         "timeline_chart": _chart(charts, "timeline", data),
         "bandwidth_rows": [{**r, "label": size_label(r["size"]),
                             "w": _fmt(r["write"], 1, 2), "r": _fmt(r["read"], 1, 2)}

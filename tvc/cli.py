@@ -28,6 +28,8 @@ from typing import Any
 #: pytest arguments that run no test: a certification cannot use them
 NO_TEST_ARGS = ("--co", "--collect-only", "-h", "--help", "--version", "-V",
                 "--fixtures", "--fixtures-per-test", "--markers", "--setup-plan")
+#: the depth a certification runs at (tvc.config.depth), unless told otherwise
+CERTIFY_DEPTH = "standard"
 #: ladder order of the tiers; any other folder under suites/ runs after these
 TIER_ORDER = ("level1", "level2", "contract", "real_nvme", "e2e", "bandwidth",
               "trace")
@@ -255,9 +257,12 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
             print(f"certify: OMP_NUM_THREADS={env['OMP_NUM_THREADS']} (torch threads "
                   "per worker; set it to override)")
+    # certify's own depth (tvc.config.depth) unless the user names one
+    depth = [] if any(a.startswith("--tvc-depth") for a in pytest_args) or env.get(
+        "TVC_DEPTH") else [f"--tvc-depth={CERTIFY_DEPTH}"]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist,
            *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
-           f"--tvc-report-dir={run_dir}", *pytest_args]
+           f"--tvc-report-dir={run_dir}", *depth, *pytest_args]
     if env.get("CERTIFY_DRY_RUN"):
         print(shlex.join(cmd))
         return 0

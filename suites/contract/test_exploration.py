@@ -1,8 +1,8 @@
 """contract (exploration): hypothesis draws engine event sequences; the contract holds.
 
 Each family (:data:`tvc.contract.explore.FAMILIES`) runs a seeded, bounded number
-of event sequences (``--tvc-explore-examples N``, default
-:data:`~tvc.contract.explore.DEFAULT_EXAMPLES`; the run's ``--tvc-seed`` draws the
+of event sequences (``--tvc-depth``: quick 10, standard 30, deep 100;
+``--tvc-explore-examples N`` overrides it; the run's ``--tvc-seed`` draws the
 same sequences again) through vLLM's V1 scheduler and the connector's worker side
 (real on CPU where ``connector.worker_devices`` lists ``cpu``, else the
 transfer-acknowledging stand-in). After every step the invariants of
@@ -58,7 +58,7 @@ def _seed(tvc_seed: int | None) -> int:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_contract_holds_over_explored_event_sequences(
         family, contract_profile, contract_scratch, request, record_property,
-        tvc_seed) -> None:
+        tvc_seed, tvc_depth) -> None:
     from tvc.config.known_failures import entries_for
     from tvc.config.profile import known_failure_matches
     from tvc.contract import explore as E
@@ -73,8 +73,7 @@ def test_contract_holds_over_explored_event_sequences(
     known = [(e["match"], e["reason"]) for e in entries_for(contract_profile)
              if e.get("match") and known_failure_matches(e, request.node.nodeid)]
     fam = E.FAMILIES[family]
-    examples = (request.config.getoption("tvc_explore_examples", None)
-                or E.DEFAULT_EXAMPLES)
+    examples = tvc_depth.explore_examples  # --tvc-depth, --tvc-explore-examples
     stats = E.Stats()
     real = "cpu" in contract_profile["connector"]["worker_devices"]
 
@@ -129,8 +128,8 @@ def test_contract_holds_over_explored_event_sequences(
                f"({drawn}; {stats.hits} hits, {stats.loads} loads, aborts "
                f"{dict(stats.aborts)}), so a pass would prove nothing")
         if examples < E.DEFAULT_EXAMPLES:
-            pytest.skip(f"{msg}. Fix: run the default --tvc-explore-examples "
-                        f"({E.DEFAULT_EXAMPLES}) or more")
+            pytest.skip(f"{msg}. Fix: run --tvc-depth standard or deep (the "
+                        f"default, {E.DEFAULT_EXAMPLES} sequences, or more)")
         pytest.fail(msg, pytrace=False)
     if known and not stats.known and examples < E.DEFAULT_EXAMPLES:
         # a strict xfail would read "the defect is fixed": with fewer sequences
@@ -139,5 +138,5 @@ def test_contract_holds_over_explored_event_sequences(
             f"exploration [{family}]: the profile's known defect(s) for this test "
             f"were not reached in {drawn}, and fewer sequences than the default "
             f"({E.DEFAULT_EXAMPLES}) cannot tell a fixed defect from an unreached "
-            "one; every sequence held the contract. Fix: run the default "
-            "--tvc-explore-examples or more")
+            "one; every sequence held the contract. Fix: run --tvc-depth standard "
+            "or deep")

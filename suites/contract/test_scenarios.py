@@ -11,17 +11,12 @@ request, nothing else changed, scheduler empty, every block free).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tvc.contract import scenarios as S
 
 pytestmark = [pytest.mark.contract]
 
-# Volume: >= 1,000 stores and 1,000 loads (a 1-in-a-few-hundred fault
-# shows); TVC_SCENARIO_VOLUME overrides (e.g. 10000 on a GPU host).
-VOLUME_PROMPTS = int(os.environ.get("TVC_SCENARIO_VOLUME", "1000"))
 
 
 def _seed(tvc_seed: int | None) -> int:
@@ -91,11 +86,14 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
 
 
 def test_volume_of_stores_and_loads(make_rig, contract_profile, tvc_seed,
-                                    record_property) -> None:
+                                    tvc_depth, record_property) -> None:
+    # the depth's prompts (standard: 1,000 stores and 1,000 loads, so a
+    # 1-in-a-few-hundred fault shows; --tvc-depth deep: 10,000)
+    n = tvc_depth.scenario_volume
     seed = _seed(tvc_seed)
-    out = S.run_scenario(S.volume, make_rig, contract_profile, VOLUME_PROMPTS, seed,
+    out = S.run_scenario(S.volume, make_rig, contract_profile, n, seed,
                          record_property=record_property)
-    assert out["stores"] >= VOLUME_PROMPTS and out["loads"] >= VOLUME_PROMPTS, out
+    assert out["stores"] >= n and out["loads"] >= n, out
     assert out["hit_tokens"] >= out["loads"], out  # every load matched >= 1 token
     print(f"volume: {out['stores']} stores at {out['stores_per_s']}/s, "
           f"{out['loads']} loads at {out['loads_per_s']}/s (seed {seed})")

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tvc.config.depth import DEFAULT as DEFAULT_DEPTH
+from tvc.config.depth import DEPTHS
 from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
@@ -62,7 +64,8 @@ MAX_SEQS = 8  # max_num_seqs of the rig
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
-DEFAULT_EXAMPLES = 30  # sequences per family (about 10 s per family on 2 CPUs)
+# sequences per family at the default depth (about 10 s per family on 2 CPUs)
+DEFAULT_EXAMPLES = DEPTHS[DEFAULT_DEPTH].explore_examples
 STEPS_PER_EXAMPLE = 20  # hypothesis stateful_step_count
 # seconds hypothesis may spend shrinking a failure (its own default is 300);
 # TVC_EXPLORE_SHRINK_S overrides

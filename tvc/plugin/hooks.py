@@ -15,6 +15,9 @@ Options (each also read from an environment variable):
 ``--tvc-seed N`` (``TVC_SEED``)
     the run's seed for generated prompts (e2e, contract); default: a random seed per
     run, recorded in the reports and readable as the ``tvc_seed`` fixture.
+``--tvc-depth quick|standard|deep`` (``TVC_DEPTH``)
+    how deep the contract tier goes (:mod:`tvc.config.depth`): exploration
+    sequences per family and the volume scenario's prompts; default ``standard``.
 ``--tvc-explore-examples N``
     event sequences per family of the contract tier's model-based exploration
     (``suites/contract/test_exploration.py``); default
@@ -45,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tvc.config.depth import DEPTHS, Depth, DepthError, resolve
 from tvc.config.paths import CHECKOUT, MARKERS_FILE, suites_dir
 from tvc.plugin import run_control
 from tvc.trace import options as trace_options
@@ -247,6 +251,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="vLLM servers the pool starts at once in the background "
                          "(default: half the CPU cores, at least 2; each start is "
                          "CPU-bound)")
+    group.addoption("--tvc-depth", dest="tvc_depth", default=None,
+                    choices=sorted(DEPTHS), metavar="DEPTH",
+                    help="how deep the contract tier goes: quick (edit-run loop), "
+                         "standard (default; CI, certify), deep (soak); env "
+                         "TVC_DEPTH (docs/running.md)")
     group.addoption("--tvc-explore-examples", dest="tvc_explore_examples",
                     default=None, type=parse_positive, metavar="N",
                     help="event sequences per family of the contract tier's "
@@ -295,7 +304,7 @@ def read_markers(path: Path = MARKERS_FILE) -> dict[str, str]:
 OPTION_NAMES = {
     "tvc_profile": "--tvc-profile", "tvc_require": "--tvc-require",
     "tvc_report_dir": "--tvc-report-dir", "tvc_seed": "--tvc-seed",
-    "tvc_explore_examples": "--tvc-explore-examples",
+    "tvc_explore_examples": "--tvc-explore-examples", "tvc_depth": "--tvc-depth",
     "tvc_trace": "--tvc-trace-file", "tvc_trace_size": "--tvc-trace-size",
     "tvc_trace_time_scale": "--tvc-trace-time-scale",
     "tvc_trace_max_duration": "--tvc-trace-max-duration",
@@ -401,6 +410,25 @@ def resolve_seed(config: pytest.Config) -> tuple[int, str]:
     return random.SystemRandom().randrange(*SEED_RANGE), "random"
 
 
+def resolve_depth(config: pytest.Config) -> Depth:
+    """The run's depth (:mod:`tvc.config.depth`): ``--tvc-depth``, ``$TVC_DEPTH``.
+
+    ``--tvc-explore-examples`` and ``$TVC_SCENARIO_VOLUME`` override its values.
+
+    Raises:
+        pytest.UsageError: an unknown depth or a bad override, named.
+
+    """
+    try:
+        return resolve(config.getoption("tvc_depth", None)
+                       or os.environ.get("TVC_DEPTH"),
+                       explore_examples=config.getoption("tvc_explore_examples",
+                                                         None),
+                       scenario_volume=os.environ.get("TVC_SCENARIO_VOLUME"))
+    except DepthError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 _ACTIVE = pytest.StashKey[str]()
 _EARLY = pytest.StashKey[run_control.DeferInterrupts]()
 _REPORT = pytest.StashKey["RunReport"]()
@@ -461,9 +489,12 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"profile: {exc}") from None
     require = resolve_require(config)
     seed, seed_source = resolve_seed(config)
+    depth = resolve_depth(config)
     # the run folder first: a Ctrl-C from here on still leaves reports
     rep = None if workerinput is not None else _open_run_folder(
         config, profile, require, seed, seed_source)
+    if rep is not None:
+        rep.meta["run"]["depth"] = depth.as_dict()
     if deferred:  # Ctrl-C during start-up: pytest reports the run as interrupted
         raise KeyboardInterrupt
     if workerinput is not None and _HW_KEY in workerinput:
@@ -471,7 +502,7 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         hw = hardware.probe_profile(profile)
     state = session.RunState(profile=profile, hw=hw, require=require, seed=seed,
-                             seed_source=seed_source)
+                             seed_source=seed_source, depth=depth)
     session.set_state(config, state)
     if workerinput is not None:  # xdist worker: the controller writes the reports
         if session.RUN_DIR_KEY in workerinput:

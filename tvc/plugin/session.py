@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tvc.config.depth import DEFAULT, DEPTHS, Depth
 from tvc.config.profile import Profile
 from tvc.env import hardware
 
@@ -39,6 +40,8 @@ class RunState:
             ``trace/``, ``bandwidth.json``), the same on the xdist controller and its
             workers; None when the run writes no reports (``--collect-only``,
             ``--help``...). Files a test writes here reach the summary page.
+        depth: how deep the contract tier goes (``--tvc-depth``,
+            :mod:`tvc.config.depth`).
 
     """
 
@@ -48,6 +51,7 @@ class RunState:
     seed: int = 0
     seed_source: str = "default"
     run_dir: Path | None = None
+    depth: Depth = DEPTHS[DEFAULT]
 
 
 STATE_KEY = pytest.StashKey[RunState]()  # config.stash: this run's RunState

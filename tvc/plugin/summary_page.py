@@ -414,6 +414,12 @@ def header_facts(s: Mapping[str, Any]) -> list[tuple[str, str]]:
     if seed is not None:
         extra.append(("seed", f"{seed} ({run.get('seed_source', '?')}; rerun with "
                               f"--tvc-seed={seed})"))
+    depth = run.get("depth")
+    if isinstance(depth, dict) and depth.get("name"):
+        extra.append(("depth", f"{depth['name']} ({depth.get('explore_examples')} "
+                               "exploration sequences per family, "
+                               f"{depth.get('scenario_volume')} volume prompts; "
+                               "--tvc-depth)"))
     extra.append(("deselected", deselected_text(s.get("deselected") or [])))
     if run.get("xdist"):
         extra.append(("xdist", str(run["xdist"]).removeprefix("xdist: ")))

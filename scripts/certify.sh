@@ -11,8 +11,8 @@
 # parallelism above 1 or a prefill/decode pair ([vllm] tensor_parallel_sizes, [pd]
 # enabled), plus nvme when it has a store ([store] path or [daemon] device_globs),
 # so missing hardware fails instead of skipping. With pytest-xdist installed the run uses CERTIFY_WORKERS xdist workers
-# (default two GPU lanes plus cores/2 - 2 others, 3 to 10): the tests that start a vLLM server, daemon or store run in two GPU
-# lanes (two workers, tvc.plugin.run_control), while level1/level2/contract run on the
+# (default three GPU lanes plus cores/4 others, 3 to 10): the tests that start a vLLM server, daemon or store run in three GPU
+# lanes (three workers, tvc.plugin.run_control), while level1/level2/contract run on the
 # others; the vLLM servers of a lane start together in its server pool, each with
 # a fixed KV cache (docs/servers.md), and <run>/timeline.json says where the time
 # went. Extra arguments go to pytest as they are (e.g. --tvc-trace-pressure,

@@ -36,10 +36,13 @@ TIER_ORDER = ("level1", "level2", "contract", "real_nvme", "e2e", "bandwidth",
 def default_workers(cpus: int | None = None) -> int:
     """Number of xdist workers of a certification when ``CERTIFY_WORKERS`` is not set.
 
-    Two GPU lanes (the tests that start servers, daemons or stores) plus
-    ``cpus // 2 - 2`` others, at least 3 and at most 10: 5 on a 2-core box; 8 on
-    the 16-core H200 host, where 3 other workers left the CPU-bound contract
-    tier (exploration, ~800 s of test time) unfinished at 280 s (2026-12-02).
+    Three GPU lanes (the tests that start servers, daemons or stores;
+    :func:`tvc.plugin.run_control.gpu_lane`) plus ``cpus // 4`` others, at
+    least 3 and at most 10: 6 on a 2-core box, 7 on the 16-core H200 host. On
+    the H200 (2026-12-04) six other workers finished the CPU tiers at 81 s while
+    the GPU lanes ran to 148 s, their twelve concurrent server starts slowed
+    from 30 s to 63 s by the CPU the other workers took; three other workers
+    (2026-12-02) left the contract tier unfinished at 280 s.
 
     Args:
         cpus: CPU cores (default ``os.cpu_count()``).
@@ -49,7 +52,7 @@ def default_workers(cpus: int | None = None) -> int:
 
     """
     cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-    return 2 + min(10, max(3, cpus // 2 - 2))
+    return 3 + min(10, max(3, cpus // 4))
 
 
 def _err(prefix: str, text: str) -> None:

@@ -53,7 +53,7 @@ def test_workers_scale_with_the_cores_and_zero_turns_xdist_off() -> None:
     assert f"OMP_NUM_THREADS={threads} (torch threads per worker" in out, out
     assert "OMP_NUM_THREADS=" not in certify("example", CERTIFY_DRY_RUN="1",
                                              OMP_NUM_THREADS="3").stdout
-    assert (default_workers(2), default_workers(16), default_workers(128)) == (5, 8, 12)
+    assert (default_workers(2), default_workers(16), default_workers(128)) == (6, 7, 13)
     assert " -n " not in certify("example", CERTIFY_DRY_RUN="1",
                                  CERTIFY_WORKERS="0").stdout
 

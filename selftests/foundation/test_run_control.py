@@ -182,6 +182,39 @@ def test_tests_planning_their_own_servers_get_a_second_gpu_lane(
         assert lane_a == lane_b, workers
 
 
+LANE_C_TESTS = {**LANE_B_TESTS, "test_lane_c.py": """
+    import os
+
+    import pytest
+
+    pytestmark = [pytest.mark.hw_any, pytest.mark.e2e]
+    tvc_restarts_server = True  # its server starts come one after another: lane C
+
+    def tvc_servers(config, model, params):
+        return []
+
+    def test_restart(record_property):
+        record_property("worker", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    """}
+
+
+@needs_xdist
+def test_a_test_restarting_its_server_gets_a_third_lane_with_six_workers(
+        tmp_path: Path) -> None:
+    run = run_suite([*write_tests(tmp_path / "t", LANE_C_TESTS), "-n", "6"],
+                    tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    workers: dict[str, set[str]] = {}
+    for t in run.summary["tests"]:
+        kind = t["nodeid"].split("::")[-1].split("[")[0]
+        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    lane_a = workers["test_owner"] | workers["test_tier"]
+    lane_b, lane_c = workers["test_own_servers"], workers["test_restart"]
+    assert len(lane_a) == len(lane_b) == len(lane_c) == 1, workers
+    assert len(lane_a | lane_b | lane_c) == 3, workers  # three workers
+    assert "in 3 GPU lane(s)" in run.stdout
+
+
 def test_owner_detection_by_fixture_and_tier() -> None:
     class Item:
         def __init__(self, fixtures: tuple[str, ...], marks: tuple[str, ...]) -> None:

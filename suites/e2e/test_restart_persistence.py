@@ -14,6 +14,9 @@ from tvc.e2e import acceptance as acc
 from tvc.e2e import two_pass as tp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hw_gpu]
+# its two server starts come one after the other: with three GPU lanes the test
+# gets a lane of its own (tvc.plugin.run_control.gpu_lane)
+tvc_restarts_server = True
 
 
 def tvc_servers(config, model, params):

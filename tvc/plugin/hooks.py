@@ -244,8 +244,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--tvc-gpu-lanes", dest="tvc_gpu_lanes", default=None,
                     type=trace_options.positive(int), metavar="N",
                     help="xdist workers the GPU-owning tests run on: 1 (all on one "
-                         "worker) or 2 (tests planning their own servers beside "
-                         "the rest); default 2 with -n 3 or more (docs/servers.md)")
+                         "worker), 2 (tests planning their own servers beside "
+                         "the rest) or 3 (a test restarting its server on a third); "
+                         "default 3 with -n 6 or more, 2 with -n 3 (docs/servers.md)")
     group.addoption("--tvc-parallel-starts", dest="tvc_parallel_starts",
                     default=None, type=trace_options.positive(int), metavar="N",
                     help="vLLM servers the pool starts at once in the background "

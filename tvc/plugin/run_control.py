@@ -9,7 +9,8 @@ Used by :mod:`tvc.plugin.hooks`; nothing here is a test.
   sends all of them to one worker, one after another, instead of one
   server/daemon/store per worker on the same GPU. With ``--tvc-gpu-lanes 2`` the
   tests whose module plans its own servers (``tvc_servers``: load failures,
-  engine variants) form a second group (:data:`GPU_LANE_B`) on another worker;
+  engine variants) form a second group (:data:`GPU_LANE_B`) on another worker,
+  and with 3 lanes a test that restarts its server a third (:data:`GPU_LANE_C`);
   each lane's server pool budgets its share of the GPU (docs/servers.md).
   (xdist's own ``loadgroup`` cannot do it with pytest >= 9.1: it renames grouped
   items through ``item._nodeid``, which pytest no longer reads.) Each worker
@@ -45,6 +46,7 @@ import pytest
 
 GPU_OWNER_GROUP = "tvc-gpu-owners"
 GPU_LANE_B = "tvc-gpu-owners-b"  # second GPU lane: tests that plan their own servers
+GPU_LANE_C = "tvc-gpu-owners-c"  # third: tests that restart a server (a start chain)
 # fixtures that start a process on the GPU or open the GPU-direct store:
 # tvc/fixtures/vllm.py, tvc/fixtures/model.py, tvc/fixtures/trace.py,
 # tvc/fixtures/daemon.py,
@@ -69,12 +71,19 @@ def owns_gpu(item: pytest.Item) -> bool:
 
 
 def gpu_lane(item: pytest.Item, lanes: int = 1) -> str:
-    """The xdist group of a GPU owner: :data:`GPU_OWNER_GROUP` or :data:`GPU_LANE_B`.
+    """The xdist group of a GPU owner: lane A, B or C.
 
-    With ``lanes >= 2``, a test whose module defines ``tvc_servers`` (it plans its
-    own vLLM servers, tvc/fixtures/vllm.py) runs in lane B; every other owner in lane A.
+    With ``lanes >= 3``, a test whose module sets ``tvc_restarts_server = True``
+    runs in lane C: its server starts one after another (start, pass, restart),
+    the longest chain of a certification, so nothing else waits behind it (on
+    the H200 it held lane B for 104 of 148 s, 2026-12-04). With ``lanes >= 2``, a
+    test whose module defines ``tvc_servers`` (it plans its own vLLM servers,
+    tvc/fixtures/vllm.py) runs in lane B; every other owner in lane A
+    (:data:`GPU_OWNER_GROUP`).
     """
     module = getattr(item, "module", None)
+    if lanes >= 3 and getattr(module, "tvc_restarts_server", False):
+        return GPU_LANE_C
     if lanes >= 2 and callable(getattr(module, "tvc_servers", None)):
         return GPU_LANE_B
     return GPU_OWNER_GROUP
@@ -179,7 +188,7 @@ LANES_KEY = "tvc_gpu_lanes"  # workerinput: the controller's gpu_lanes()
 
 
 def gpu_lanes(config: pytest.Config) -> int:
-    """``--tvc-gpu-lanes``, else 2 with at least three xdist workers, else 1.
+    """``--tvc-gpu-lanes``, else 3 with six xdist workers or more, 2 with three.
 
     On an xdist worker: the controller's answer (``workerinput``).
     """
@@ -191,7 +200,8 @@ def gpu_lanes(config: pytest.Config) -> int:
         return int(value)
     workers = getattr(config.option, "numprocesses", None)
     try:
-        return 2 if workers is not None and int(workers) >= 3 else 1
+        n = int(workers) if workers is not None else 0
+        return 3 if n >= 6 else 2 if n >= 3 else 1
     except (TypeError, ValueError):
         return 1
 
@@ -207,9 +217,9 @@ def dist_line(config: pytest.Config) -> str:
         return ""
     if dist in ("load", "loadgroup"):
         lanes = gpu_lanes(config)
+        names = ", ".join((GPU_OWNER_GROUP, GPU_LANE_B, GPU_LANE_C)[:lanes])
         return (f"xdist: --dist {dist}: tests that own a GPU server, daemon or store "
-                f"run one after another in {lanes} GPU lane(s) "
-                f"({GPU_OWNER_GROUP}{', ' + GPU_LANE_B if lanes > 1 else ''}); the "
+                f"run one after another in {lanes} GPU lane(s) ({names}); the "
                 "others are load-balanced")
     return (f"xdist: --dist {dist} keeps its own order: GPU owners may run on several "
             "workers at once; use --dist load to keep them on one")

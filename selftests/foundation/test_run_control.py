@@ -124,6 +124,15 @@ def test_import_mode_importlib_loads_plugin_and_fixtures(tmp_path: Path) -> None
 
 # ------------------------------------------------------------------ xdist grouping
 
+def _workers_by_test(run) -> dict[str, set[str]]:
+    """Test function name -> the xdist workers its cases ran on."""
+    workers: dict[str, set[str]] = {}
+    for t in run.summary["tests"]:
+        kind = t["nodeid"].split("::")[-1].split("[")[0]
+        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    return workers
+
+
 @needs_xdist
 def test_gpu_owners_run_on_one_worker_and_worker_files_reach_the_summary(
         tmp_path: Path) -> None:
@@ -131,10 +140,7 @@ def test_gpu_owners_run_on_one_worker_and_worker_files_reach_the_summary(
                     tmp_path / "r")
     assert run.rc == 0, run.tail()
     assert "xdist: --dist load: tests that own a GPU server" in run.stdout
-    workers: dict[str, set[str]] = {}
-    for t in run.summary["tests"]:
-        kind = t["nodeid"].split("::")[-1].split("[")[0]
-        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    workers = _workers_by_test(run)
     owners = (workers["test_owner"] | workers["test_tier"]
               | workers["test_worker_writes_into_the_run_folder"])
     assert len(owners) == 1 and "" not in owners, workers  # one xdist worker
@@ -168,10 +174,7 @@ def test_tests_planning_their_own_servers_get_a_second_gpu_lane(
     run = run_suite([*write_tests(tmp_path / "t", LANE_B_TESTS), "-n", "3", *extra],
                     tmp_path / "r")
     assert run.rc == 0, run.tail()
-    workers: dict[str, set[str]] = {}
-    for t in run.summary["tests"]:
-        kind = t["nodeid"].split("::")[-1].split("[")[0]
-        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    workers = _workers_by_test(run)
     lane_a = workers["test_owner"] | workers["test_tier"]
     lane_b = workers["test_own_servers"]
     assert len(lane_a) == 1 and len(lane_b) == 1, workers
@@ -204,10 +207,7 @@ def test_a_test_restarting_its_server_gets_a_third_lane_with_six_workers(
     run = run_suite([*write_tests(tmp_path / "t", LANE_C_TESTS), "-n", "6"],
                     tmp_path / "r")
     assert run.rc == 0, run.tail()
-    workers: dict[str, set[str]] = {}
-    for t in run.summary["tests"]:
-        kind = t["nodeid"].split("::")[-1].split("[")[0]
-        workers.setdefault(kind, set()).add(t["properties"]["worker"])
+    workers = _workers_by_test(run)
     lane_a = workers["test_owner"] | workers["test_tier"]
     lane_b, lane_c = workers["test_own_servers"], workers["test_restart"]
     assert len(lane_a) == len(lane_b) == len(lane_c) == 1, workers

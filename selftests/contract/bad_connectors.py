@@ -48,7 +48,17 @@ class OverMatchConnector(ExampleConnector):
 
 
 class UnalignedConnector(ExampleConnector):
-    """Fault: reports len - 1 tokens, not a whole number of blocks."""
+    """Fault: reports one token less than its whole blocks: a hit that ends inside
+    a block mid-prompt (not at the prompt's last token)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return (n - 1 if n > 1 else n), is_async
+
+
+class ClaimsUnstoredTailConnector(ExampleConnector):
+    """Fault: reports len - 1 tokens (a full-prompt answer) although it stores
+    only the prompt's whole blocks: the tail it claims was never stored."""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 from panel_connectors import (
     AsyncPanelConnector,
     DelayedFreePanelConnector,
+    FullPromptPanelConnector,
     RankAwarePanelConnector,
     SyncPanelConnector,
 )
@@ -220,3 +221,33 @@ class MatchesOneChunkLessConnector(SyncPanelConnector):
         else:
             self._planned.pop(request.request_id, None)
         return less, is_async and bool(less)
+
+
+class LoadsTheLastTokenAfterForwardConnector(FullPromptPanelConnector):
+    """Fault: answers ``len - 1`` for a stored whole prompt, then writes the last
+    token's slot after the forward. It stores only the ``len - 1`` tokens it
+    serves (a stored prompt's last slot is written as zeros) and copies its
+    loads a second time in ``wait_for_save`` "to be sure they landed": the slot
+    of the last token, which vLLM computed in that step, ends up zero."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for job in meta.saves:
+            req = self._requests.get(job.req_id)
+            n = req.num_prompt_tokens if req is not None else 0
+            keys = self._keys(req, n) if n and n % self.chunk == 0 else []
+            job.ends_prompt = bool(keys) and job.key == keys[-1]  # type: ignore
+        return meta
+
+    def _write(self, job: Any, names: list[str], data: list[Any]) -> None:
+        if getattr(job, "ends_prompt", False):
+            bdim = 1 if data[0].dim() == 5 and data[0].shape[0] == 2 else 0
+            for t in data:  # after the block, the token dim is 1 in both layouts
+                t.select(bdim, t.shape[bdim] - 1).select(1, self.block_size - 1
+                                                         ).zero_()
+        super()._write(job, names, data)
+
+    def wait_for_save(self) -> None:
+        for job in self._get_connector_metadata().loads:
+            self._load(job)
+        super().wait_for_save()

@@ -42,6 +42,13 @@ Shapes (class attributes of :class:`FileChunkConnector`):
   blocks before the first bad one and reports exactly the blocks from there
   (the others report the damaged chunk's blocks from its first one), and it
   names the failed requests in ``get_request_ids_with_load_errors``.
+* :class:`FullPromptPanelConnector`, :class:`AsyncFullPromptPanelConnector`:
+  a prompt whose every chunk is stored (its length a multiple of the chunk)
+  is a full-prompt hit answered ``len - 1``, as LMCache answers it ("in the
+  full-prompt-hit case we need to recompute the last token"); the load copies
+  whole blocks, the last token's slot included, before the forward, which then
+  overwrites that slot (LMCache retrieves the whole stored prompt the same way).
+  Hit rule ``len - 1 if len % G == 0 else (len - 1) // G * G``.
 
 A failed save is absorbed (logged), never raised, and leaves no entry; an entry
 whose load failed is removed, so vLLM's next lookup (it asks again after a failed
@@ -125,6 +132,7 @@ class FileChunkConnector(KVConnectorBase_V1):
     DELAY_FREE = False
     RANK_FILES = False
     BLOCK_EXACT_REPORTS = False
+    FULL_PROMPT = False
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -207,11 +215,14 @@ class FileChunkConnector(KVConnectorBase_V1):
         stored = 0
         if getattr(request, "skip_reading_prefix_cache", False):
             prompt = 1  # no whole chunk below len - 1 = 0: a miss
-        for key in self._keys(request, prompt - 1):
+        whole = self.FULL_PROMPT and prompt % self.chunk == 0
+        for key in self._keys(request, prompt if whole else prompt - 1):
             if not self._resident(key):
                 break
             stored += 1
         hit = stored * self.chunk
+        if whole and hit == prompt:
+            hit = prompt - 1  # the whole prompt is stored: vLLM computes the last
         n = max(0, hit - num_computed_tokens)
         if n:
             self._planned[request.request_id] = (num_computed_tokens, hit)
@@ -230,9 +241,10 @@ class FileChunkConnector(KVConnectorBase_V1):
         if not num_external_tokens or plan is None:
             return
         local, hit = plan
-        keys = self._keys(request, hit)
+        end = -(-hit // self.chunk)  # a len - 1 hit ends in its last chunk
+        keys = self._keys(request, end * self.chunk)
         b, per = self.block_size, self.blocks_per_chunk
-        for k in range(local // self.chunk, hit // self.chunk):
+        for k in range(local // self.chunk, end):
             chunk_blocks = block_ids[k * per:(k + 1) * per]
             first = max(0, local // b - k * per)
             self._loads.append(ChunkJob(rid, keys[k], chunk_blocks, first))
@@ -424,6 +436,19 @@ class RankAwarePanelConnector(FileChunkConnector):
     """One file per TP rank, named by ``parallel_config.rank``."""
 
     RANK_FILES = True
+
+
+class FullPromptPanelConnector(FileChunkConnector):
+    """Answers ``len - 1`` for a stored whole prompt (synchronous loads)."""
+
+    FULL_PROMPT = True
+
+
+class AsyncFullPromptPanelConnector(FileChunkConnector):
+    """Answers ``len - 1`` for a stored whole prompt (asynchronous loads)."""
+
+    FULL_PROMPT = True
+    LOAD_ASYNC = True
 
 
 class FailureReportingPanelConnector(FileChunkConnector):

@@ -94,6 +94,12 @@ RAN = ("test_second_pass_matches_declared_hit_rule[16]",
        "test_multimodal_item_hits_never_serve_another_image[cpu]",
        "test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-D64-float16-cpu-NHD]")
 
+# LMCache's full-prompt answer: a stored whole prompt is matched to len - 1
+FULL_RULE = "len - 1 if len % max(chunk_tokens, B) == 0 else " + RULE
+FULL_RULE_LINES = (f'hit_rule = "{FULL_RULE}"\nhit_rule_source = "selftests/contract/'
+                   'panel_connectors.py: FullPromptPanelConnector, len - 1 for a '
+                   'stored whole prompt"')
+
 # member id -> (connector class, chunk_tokens, tensor_parallel_sizes (and
 # pipeline_parallel_sizes), must pass)
 PANEL = {
@@ -106,6 +112,8 @@ PANEL = {
     "delayed-free-16": ("DelayedFreePanelConnector", 16, [1], ()),
     "rank-aware-32": ("RankAwarePanelConnector", 32, [1, 2], TP2),
     "failure-reporting-16": ("FailureReportingPanelConnector", 16, [1], ()),
+    "full-prompt-16": ("FullPromptPanelConnector", 16, [1], ()),
+    "full-prompt-64-async": ("AsyncFullPromptPanelConnector", 64, [1], ASYNC),
 }
 
 
@@ -162,8 +170,9 @@ def outcome(run: SuiteRun, name: str) -> str:
 @pytest.mark.parametrize("member", sorted(PANEL))
 def test_panel_connector_gets_zero_reds(member: str, tmp_path: Path) -> None:
     cls, chunk, tp, must = PANEL[member]
+    rule = FULL_RULE_LINES if "FullPrompt" in cls else None
     # the members with rank files claim TP 2 and PP 2 alike (pp = tp)
-    run = run_contract(tmp_path, member, cls, chunk, tp=tp, pp=tp)
+    run = run_contract(tmp_path, member, cls, chunk, tp=tp, pp=tp, rule=rule)
     red = reds(run)
     assert not red and run.rc == 0, (
         f"{member} ({cls}, chunk {chunk}): a correct connector got {len(red)} "
@@ -212,6 +221,35 @@ def test_a_cap_below_the_rule_is_red_beyond_2k_tokens_at_chunk_256(
         assert t["outcome"] == "failed", (t, run.tail(2000))
         assert "never completed" not in t["message"], t["message"]
         assert "2048" in t["message"] and "expect" in t["message"], t["message"]
+
+
+def test_a_len_minus_1_hit_is_green_and_a_late_write_of_the_last_slot_red(
+        tmp_path: Path) -> None:
+    """A stored whole prompt matched to len - 1 (LMCache's answer) passes the hit
+    rule and the loads; writing the last token's slot after the forward is red."""
+    select = [SCHED, "-m", "contract", "-k", "second_pass_matches_declared_hit_rule"]
+    for sub in ("good", "bad"):
+        (tmp_path / sub).mkdir()
+    good = run_contract(tmp_path / "good", "full", "FullPromptPanelConnector", 16,
+                        rule=FULL_RULE_LINES, select=select)
+    bad = run_contract(tmp_path / "bad", "late", "LoadsTheLastTokenAfterForward"
+                       "Connector", 16, module="panel_bad_connectors",
+                       rule=FULL_RULE_LINES, select=select)
+    for b in (16, 32):
+        name = f"test_second_pass_matches_declared_hit_rule[{b}]"
+        t = good.test(name)
+        assert t["outcome"] == "passed", (t, good.tail(2000))
+        hits = t["properties"]["hits_by_prompt_len"]
+        assert any(int(n) % b == 0 and hit == int(n) - 1 for n, hit in hits.items()
+                   ), hits  # a len - 1 answer was given and checked
+        t = bad.test(name)
+        assert t["outcome"] == "failed", (t, bad.tail(2000))
+        m = re.search(r"token (\d+) \(block \d+, offset (\d+)\) was computed by "
+                      r"vLLM in this step — the connector matched tokens \[\d+, "
+                      r"(\d+)\) only", t["message"])
+        assert m and m.group(1) == m.group(3) and int(m.group(2)) == b - 1, (
+            t["message"])
+        assert "after the forward" in t["message"], t["message"]
 
 
 def test_the_tp_harness_catches_ranks_sharing_one_file(tmp_path: Path) -> None:

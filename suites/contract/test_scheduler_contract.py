@@ -86,9 +86,9 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
         "connector.granularity")
     for n in lengths:
         _, second = _store_then_replay(rig, n)
-        local, matched, _ = C.external_hit(rig.driver, second)
+        local, matched, is_async = C.external_hit(rig.driver, second)
         seen[n] = matched
-        C.assert_block_aligned(matched, block_size, n)
+        C.assert_block_aligned(matched, block_size, n, local, is_async)
         C.assert_hit_matches_rule(
             matched, contract_profile.expected_hit_tokens(n, block_size), n,
             block_size, rule, source)
@@ -110,12 +110,12 @@ def test_prefix_sharing_matches_at_most_the_shared_blocks(rig_factory) -> None:
         shared = list(base.prompt_token_ids[: k * b])
         req = rig.request(6 * b + 3, shared_prefix=shared)
         rig.driver.run(req)
-        _, matched, _ = C.external_hit(rig.driver, req)
+        local, matched, is_async = C.external_hit(rig.driver, req)
         assert matched <= k * b, (
             f"prompt sharing {k} full block(s) ({k * b} tokens) with a stored prompt "
             f"matched {matched} tokens: at most {k * b} may match — the connector "
             "reports tokens beyond the shared prefix (false hit)")
-        C.assert_block_aligned(matched, b, req.num_prompt_tokens)
+        C.assert_block_aligned(matched, b, req.num_prompt_tokens, local, is_async)
     rig.forget_local_cache()
     other = rig.request(6 * b + 3)
     rig.driver.run(other)
@@ -195,16 +195,18 @@ def test_prefix_sharing_sequences_never_overmatch(rig_factory, block_size,
         rig.forget_local_cache()
         req = rig.request(k * b + tail, shared_prefix=base[: k * b])
         rig.driver.run(req)
-        _, matched, _ = C.external_hit(rig.driver, req)
+        local, matched, is_async = C.external_hit(rig.driver, req)
         toks = req.prompt_token_ids
         common = max((_common(toks, s) for s in stored), default=0)
         bound = common // b * b
+        if local + matched in C.full_prompt_ends(len(toks), is_async):
+            bound = max(bound, common - local)  # ends at the last token
         assert matched <= bound, (
             f"request of {len(toks)} tokens whose longest common prefix with any "
             f"stored prompt is {common} tokens matched {matched} (> {bound}, "
             f"block {b}): false hit. Reproduce with TVC_CONTRACT_NONCE="
             f"{C.RUN_NONCE} and the printed example")
-        C.assert_block_aligned(matched, b, len(toks))
+        C.assert_block_aligned(matched, b, len(toks), local, is_async)
         stored.append(list(toks))
     if rig.worker is not None:
         C.assert_loaded_kv_bit_identical(rig.worker)

@@ -112,18 +112,65 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
         "the first len - 1 tokens")
 
 
-def assert_block_aligned(matched: int, block_size: int, prompt_len: int) -> None:
-    """Matched tokens are a whole number of blocks.
+def full_prompt_ends(prompt_len: int, is_async: bool) -> tuple[int, ...]:
+    """Where a hit may end inside a block: at the prompt's last token.
 
-    Raises:
-        AssertionError: not a multiple of B.
+    vLLM takes an external count that is not a whole number of blocks: it
+    allocates ``cdiv(local + matched, B)`` blocks for it
+    (``SingleTypeKVCacheManager.allocate_external_computed_blocks``,
+    ``vllm/v1/core/single_type_kv_cache_manager.py`` L320-L322 in 0.28.0) and
+    caches whole blocks only. Its own full-prompt hit ends one token short: an
+    asynchronous load of the whole prompt is cut to ``num_tokens - 1`` once
+    received (``Scheduler._update_waiting_for_remote_kv``, ``scheduler.py``
+    L2759-L2762 in 0.28.0, L3515-L3516 in 0.33.0), so the one block the load
+    and the forward share holds the last prompt token only, which vLLM
+    computes anyway. That is the ``len - 1`` answer of a connector that stored
+    the whole prompt (LMCache: "in the full-prompt-hit case we need to recompute
+    the last token"). Anywhere else a partial block would be split between a
+    load and a computed prefix mid-prompt, which vLLM never presents itself (it
+    hands the connector a block-aligned local hit, ``scheduler.py`` L822-L828)
+    and which no connector of vLLM's own answers.
+
+    Args:
+        prompt_len: tokens of the request when it was asked (``num_tokens``).
+        is_async: the answer's ``load_kv_async``.
+
+    Returns:
+        the totals ``local + matched`` that may end inside a block: ``len - 1``,
+        and ``len`` for an asynchronous load.
 
     """
-    assert matched % block_size == 0, (
-        f"external hit of {matched} tokens for a {prompt_len}-token prompt is not "
-        f"a multiple of the block size {block_size}: vLLM allocates and caches "
-        "whole blocks, so a partial block would be loaded into a block vLLM treats "
-        "as incomplete. Align get_num_new_matched_tokens down to whole blocks")
+    return (prompt_len - 1, prompt_len) if is_async else (prompt_len - 1,)
+
+
+def assert_block_aligned(matched: int, block_size: int, prompt_len: int,
+                         local: int = 0, is_async: bool = False) -> None:
+    """Matched tokens are whole blocks, or end exactly at the prompt's last token.
+
+    Args:
+        matched: the connector's answer (tokens beyond ``local``).
+        block_size: B in tokens.
+        prompt_len: tokens of the request when it was asked.
+        local: ``num_computed_tokens`` vLLM passed in (a block-aligned local hit).
+        is_async: the answer's ``load_kv_async``.
+
+    Raises:
+        AssertionError: not a multiple of B, and ``local + matched`` is not one of
+            :func:`full_prompt_ends`.
+
+    """
+    if matched % block_size == 0 or (
+            matched > 0 and local + matched in full_prompt_ends(prompt_len, is_async)):
+        return
+    ends = " or ".join(f"{e}" for e in full_prompt_ends(prompt_len, is_async))
+    raise AssertionError(
+        f"external hit of {matched} tokens for a {prompt_len}-token prompt "
+        f"({local} computed locally) is not a multiple of the block size "
+        f"{block_size}: vLLM allocates and caches whole blocks, so a partial block "
+        "would be split between the connector's load and the tokens vLLM computes "
+        "mid-prompt. Only a hit that ends at the prompt's last token may end inside "
+        f"a block (local + matched = {ends}; here {local + matched}). Align "
+        "get_num_new_matched_tokens down to whole blocks")
 
 
 def assert_last_token_recomputed(driver: EngineDriver, request: Any) -> None:

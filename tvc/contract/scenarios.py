@@ -232,9 +232,9 @@ def check_hit(rig: Rig, request: Any, expected_total: int | None, what: str
         (local, matched).
 
     """
-    local, matched, _ = external_hit(rig.driver, request)
+    local, matched, is_async = external_hit(rig.driver, request)
     n = request.num_prompt_tokens
-    assert_block_aligned(matched, rig.block_size, n)
+    assert_block_aligned(matched, rig.block_size, n, local, is_async)
     if expected_total is not None:
         want = max(expected_total, local)
         if local + matched != want:

@@ -826,9 +826,50 @@ class ConnectorWorker:
                 f"{type(exc).__name__}: {exc}") from exc
         self._judge_loads(checks, set(out.invalid_block_ids or ()), expected,
                           failed_reqs)
+        self._judge_shared_block(work, expected)
         if self.heal_reported:
             self._heal(checks)
         return out
+
+    def _judge_shared_block(self, work: list[tuple[str, int, int]],
+                            expected: dict[str, tuple[int, int]]) -> None:
+        """Record a write after the forward into the block a load shares with it.
+
+        A synchronous load that ends inside a block (a ``len - 1`` full-prompt
+        hit, :func:`tvc.contract.invariants.full_prompt_ends`) leaves the rest of
+        that block to the forward of the same step. A copy into those slots before
+        the forward is overwritten by it (vLLM's attention writes every scheduled
+        token's KV, ``reshape_and_cache``, before reading), which is what LMCache
+        does: it retrieves the whole stored prompt although it answered
+        ``len - 1``. A copy that lands after the forward replaces the KV vLLM
+        computed for the last token, which every later token attends to. So at
+        the end of the step those slots must still hold what the forward wrote.
+
+        Args:
+            work: this step's ``(request id, first computed token, end)``.
+            expected: this step's synchronous loads (request -> token range).
+
+        """
+        b = self.block_size
+        for rid, start, end in work:
+            lo, hi = expected.get(rid, (0, 0))
+            if not hi % b or start != hi or rid not in self.block_table:
+                continue
+            tail = min(end, -(-hi // b) * b, len(self.block_table[rid]) * b)
+            bad = self.first_mismatch(rid, hi, tail) if tail > hi else None
+            if bad is None:
+                continue
+            pos = bad[0]
+            block = self.block_table[rid][pos // b]
+            self.load_errors.append(
+                f"request {rid}: token {pos} (block {block}, offset {pos % b}) was "
+                f"computed by vLLM in this step — the connector matched tokens "
+                f"[{lo}, {hi}) only, its load ending inside that block — but at the "
+                "end of the step its slot no longer held the KV the forward wrote: "
+                "the connector wrote into the slot of a token it did not match, "
+                "after the forward. A load that fills the whole block must land "
+                "before the forward (start_load_kv / wait_for_layer_load), which "
+                "then overwrites that slot; or copy only the matched tokens")
 
     def _note_unrecomputed_read(self, req_id: str, start: int) -> None:
         """Record a first compute whose counted tokens cover an unrecomputed block."""

@@ -171,6 +171,22 @@ class PhantomEventConnector(ReportingExampleConnector):
         return out
 
 
+class EventsOffConnector(ReportingExampleConnector):
+    """Correct: overrides take_events but its events are off (as LMCache with
+    ``enable_kv_events: False``): it yields nothing, ever."""
+
+    def take_events(self) -> Any:
+        super().take_events()
+        return []
+
+
+class MissesOneEventConnector(ReportingExampleConnector):
+    """Fault: announces every stored prompt's blocks but the last one."""
+
+    def _stored_event(self, req: Any, nb: int) -> Any:
+        return super()._stored_event(req, max(1, nb - 1))
+
+
 class ResetNoopConnector(ReportingExampleConnector):
     """Fault: reset_cache says it reset, but keeps every stored entry."""
 

@@ -82,6 +82,9 @@ CASES = {
         "events and cpu", "which no request of this run computed"),
     "ResetNoopConnector": (
         "reset and cpu", "the connector's cache was not reset"),
+    # an emitter that misses one block is red; one whose events are off skips
+    "MissesOneEventConnector": (
+        "events and cpu", "was never announced by a BlockStored event"),
 }
 
 
@@ -252,3 +255,14 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     brand_new_knob: int = 0
+
+
+def test_a_connector_whose_events_are_off_is_not_checked_for_events(
+        tmp_path) -> None:
+    proc, summary = _run("EventsOffConnector", "events and cpu", tmp_path)
+    assert proc.returncode == 0, _out(proc)
+    t = next(t for t in summary["tests"] if "kv_cache_events" in t["nodeid"])
+    assert t["outcome"] == "skipped", t
+    assert "emitted no KV cache event in the whole scenario" in t["message"], t
+    assert "not an event emitter" in t["message"], t
+    assert "never announced" not in _out(proc), _out(proc)

@@ -1028,6 +1028,16 @@ def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     n = scenario_lengths(profile, rig.block_size)["single"]
     _store(rig, n)
     stored, replay, hit = _stored_then_served(profile, rig)
+    emitted = sum(len(evs) for _side, _step, evs in rig.driver.coverage.events)
+    if not emitted:
+        # an emitter that misses a block still gets every check below
+        raise NotApplicable(
+            f"the connector overrides {', '.join(names)} but emitted no KV cache "
+            f"event in the whole scenario ({len(rig.driver.added)} requests, "
+            f"a {hit}-token hit served) with vLLM's KV cache events on: its own "
+            "events are off (e.g. LMCache's enable_kv_events: false), so it is not "
+            "an event emitter here and there is nothing to check. Turn its events "
+            "on in connector.extra_config to check them")
     counts = check_events(rig.driver.coverage, rig.driver.added, rig.block_size,
                           {replay.request_id: hit})
     assert counts["stored"] > 0, (

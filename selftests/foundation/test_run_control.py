@@ -289,6 +289,31 @@ def test_roundtrip_suite_deselects_48_cpu_variants_for_a_cuda_only_connector(
     assert "48/96 tests collected (48 deselected)" in run.stdout
 
 
+def test_scenario_rig_cpu_variants_are_deselected_only_for_cuda_only_on_a_gpu(
+        ) -> None:
+    """``make_rig[cpu]`` may run a stand-in where no worker runs: it is dropped
+    only where its ``[cuda]`` twin runs the connector's own worker."""
+    class Spec:
+        def __init__(self, params: dict[str, str]) -> None:
+            self.params = params
+
+    class Item:
+        def __init__(self, **params: str) -> None:
+            self.callspec = Spec(params)
+
+        def get_closest_marker(self, name: str) -> object:
+            return object() if name == "contract" else None
+
+    items = [Item(make_rig="cpu"), Item(make_rig="cuda"), Item(device="cpu")]
+    split = run_control.split_device_variants
+    keep, dropped = split(items, ["cuda"], gpu_here=True)
+    assert keep == [items[1]] and dropped == {"cpu": [items[0], items[2]]}
+    keep, dropped = split(items, ["cuda"], gpu_here=False)  # stand-in or one skip
+    assert keep == items[:2] and dropped == {"cpu": [items[2]]}
+    keep, dropped = split(items, ["cpu", "cuda"], gpu_here=True)
+    assert keep == items and not dropped
+
+
 # ------------------------------------------------------------------- interrupts
 
 SLOW_TESTS = {"test_slow.py": """

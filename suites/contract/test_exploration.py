@@ -4,8 +4,8 @@ Each family (:data:`tvc.contract.explore.FAMILIES`) runs a seeded, bounded numbe
 of event sequences (``--tvc-depth``: quick 10, standard 30, deep 100;
 ``--tvc-explore-examples N`` overrides it; the run's ``--tvc-seed`` draws the
 same sequences again) through vLLM's V1 scheduler and the connector's worker side
-(real on CPU where ``connector.worker_devices`` lists ``cpu``, else the
-transfer-acknowledging stand-in). After every step the invariants of
+(real where ``connector.worker_devices`` lists the rig's device: CPU, or CUDA
+for a CUDA-only worker on a GPU host; else the transfer-acknowledging stand-in). After every step the invariants of
 :data:`~tvc.contract.explore.INVARIANTS` hold; a failure shrinks to a minimal
 sequence printed as a replay script naming the connector method at fault. A green
 also needs its premises: hits, loads, aborts, preemptions, faults actually happened.
@@ -57,8 +57,8 @@ def _seed(tvc_seed: int | None) -> int:
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_contract_holds_over_explored_event_sequences(
-        family, contract_profile, contract_scratch, request, record_property,
-        tvc_seed, tvc_depth) -> None:
+        family, contract_profile, contract_scratch, contract_rig_defaults, request,
+        record_property, tvc_seed, tvc_depth) -> None:
     from tvc.config.known_failures import entries_for
     from tvc.config.profile import known_failure_matches
     from tvc.contract import explore as E
@@ -75,12 +75,15 @@ def test_contract_holds_over_explored_event_sequences(
     fam = E.FAMILIES[family]
     examples = tvc_depth.explore_examples  # --tvc-depth, --tvc-explore-examples
     stats = E.Stats()
-    real = "cpu" in contract_profile["connector"]["worker_devices"]
+    # where the worker runs (CUDA for a CUDA-only worker on a GPU host)
+    real = contract_rig_defaults["device"] in contract_profile["connector"][
+        "worker_devices"]
 
     logs = []  # every rig's coverage log (tvc.contract.coverage)
 
     def rig(**kw):
-        r = make_rig(contract_profile, contract_scratch, real_worker=real, **kw)
+        r = make_rig(contract_profile, contract_scratch, real_worker=real,
+                     **{**contract_rig_defaults, **kw})
         logs.append(r.driver.coverage)
         return r
 

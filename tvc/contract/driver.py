@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 import re
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,24 @@ def no_worker_message(reason: str) -> str:
             "(module:function building a stand-in that reports for it)")
 
 
+def worker_device(worker_devices: Sequence[str], cuda_here: bool) -> str:
+    """The device of a rig that is not a device variant: where the worker runs.
+
+    Args:
+        worker_devices: the profile's ``connector.worker_devices``.
+        cuda_here: torch sees a CUDA device.
+
+    Returns:
+        ``"cpu"`` when the worker runs on CPU (or nowhere here), ``"cuda"`` for a
+        CUDA-only worker on a box with a GPU (its real worker runs there instead
+        of no worker on CPU).
+
+    """
+    if "cpu" in worker_devices or not (cuda_here and "cuda" in worker_devices):
+        return "cpu"
+    return "cuda"
+
+
 def _delays_free(returned: Any) -> bool:
     """Whether a recorded ``request_finished`` return delayed freeing the blocks."""
     if not returned:
@@ -164,6 +183,9 @@ class EngineDriver:
         worker_report: the profile's ``connector.worker_report`` ("" or
             ``"standin"`` when no declared stand-in was built).
         no_worker_reason: why no real worker runs (for the error below).
+        on_no_worker: optional ``callable(message)`` called instead of raising
+            :class:`NoWorkerHere` (a fixture turns "the worker needs a GPU this
+            box lacks" into one hardware skip); returning falls back to raising.
         added: every request added, in order (their block hashes and tokens
             are what the connector may report as stored).
         coverage: what this driver exercised (:class:`CoverageLog`): every
@@ -213,6 +235,7 @@ class EngineDriver:
     on_match: Any = None
     worker_report: str = ""
     no_worker_reason: str = ""
+    on_no_worker: Any = None
     coverage: CoverageLog = field(default_factory=CoverageLog)
     added: list[Any] = field(default_factory=list)
     scheduler_only: bool = False
@@ -379,7 +402,10 @@ class EngineDriver:
                        "load_jobs/store_jobs; " + why)
             raise WorkerReportMissing(missing_report_message(self.connector, why))
         if not self.scheduler_only:
-            raise NoWorkerHere(no_worker_message(self.no_worker_reason))
+            msg = no_worker_message(self.no_worker_reason)
+            if self.on_no_worker is not None:
+                self.on_no_worker(msg)
+            raise NoWorkerHere(msg)
         return None
 
     def _sync_loads(self, so: Any) -> dict[str, tuple[int, int]]:

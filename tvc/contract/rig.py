@@ -79,7 +79,7 @@ class Rig(SchedulerSideMixin):
 def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
              real_worker: bool | None = None, num_blocks: int = DEFAULT_NUM_BLOCKS,
              kv_layout: str | None = None, scheduler_only: bool = False,
-             **config_kw: Any) -> Rig:
+             on_no_worker: Any = None, **config_kw: Any) -> Rig:
     """Build config, KV cache config, scheduler, worker and driver.
 
     Args:
@@ -106,6 +106,8 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             see :class:`~tvc.contract.driver.EngineDriver`). Otherwise a rig
             where no worker of any kind can run fails at its first step with
             :class:`~tvc.contract.driver.NoWorkerHere`.
+        on_no_worker: the driver's ``on_no_worker`` (called with the message
+            before :class:`~tvc.contract.driver.NoWorkerHere` is raised).
         **config_kw: passed to :func:`make_vllm_config`.
 
     Returns:
@@ -144,7 +146,8 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
     why = ("this test drives the scheduler side only" if scheduler_only else
            f"rig device {device!r}, connector.worker_devices = {devices}")
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
-                          no_worker_reason=why, scheduler_only=scheduler_only)
+                          no_worker_reason=why, scheduler_only=scheduler_only,
+                          on_no_worker=on_no_worker)
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
 

@@ -466,6 +466,7 @@ def pytest_configure(config: pytest.Config) -> None:
         claim_owned_paths,
         load,
     )
+    from tvc.procs.server_env import apply_environ
 
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
@@ -488,6 +489,8 @@ def pytest_configure(config: pytest.Config) -> None:
         claim_owned_paths(profile)
     except ProfileError as exc:
         raise pytest.UsageError(f"profile: {exc}") from None
+    # before any test imports the connector; put back when the session ends
+    config.add_cleanup(apply_environ(dict(profile["connector"]["env"])))
     require = resolve_require(config)
     seed, seed_source = resolve_seed(config)
     depth = resolve_depth(config)
@@ -763,7 +766,9 @@ def pytest_collection_modifyitems(config: pytest.Config,
             f"known failure {glob!r} of {profile.source} matches no test of its "
             "file: the test was renamed or re-parametrized — fix or drop the entry")
     worker_devices = list(profile["connector"]["worker_devices"])
-    keep, dropped = run_control.split_device_variants(items, worker_devices)
+    gpu_here = bool(session.run_state(config).hw.get("levels", {}).get("gpu"))
+    keep, dropped = run_control.split_device_variants(items, worker_devices,
+                                                      gpu_here)
     for device, its in sorted(dropped.items()):
         line = run_control.variant_line(device, len(its), worker_devices)
         run["variant_lines"].append(line)

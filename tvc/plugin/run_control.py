@@ -20,7 +20,10 @@ Used by :mod:`tvc.plugin.hooks`; nothing here is a test.
 - **Device variants the connector cannot run.** The contract tier's worker tests are
   parametrised by ``device`` (``cpu``, ``cuda``); a device the profile's
   ``connector.worker_devices`` leaves out is deselected with one line, not skipped
-  once per variant.
+  once per variant. The scenario tests' rig (the ``make_rig`` fixture, ``[cpu]``
+  and ``[cuda]``) may run a stand-in where the worker cannot run, so its ``[cpu]``
+  variants are deselected only for a CUDA-only worker on a box with a GPU: their
+  ``[cuda]`` twins run the connector's own worker.
 - **Interrupts.** An xdist worker watches its parent and exits (taking its own
   children) when the controller is gone (SIGKILL); SIGTERM and SIGHUP stop a run
   like Ctrl-C (:class:`TerminateLikeInterrupt`); Ctrl-C, SIGTERM or SIGHUP while
@@ -55,6 +58,7 @@ GPU_OWNER_FIXTURES = ("vllm_server", "vllm_server_factory", "served_model",
                       "trace_campaign", "storage_daemon", "store_spec", "gpu_store")
 GPU_OWNER_TIERS = ("e2e", "trace", "real_nvme", "bandwidth")
 DEVICE_PARAM = "device"  # the contract tier's worker-variant parameter
+RIG_PARAM = "make_rig"  # the scenario rig fixture's device parameter
 WATCH_INTERVAL_S = 0.5  # parent poll period: a dead controller is seen within 0.5 s
 CHILD_GRACE_S = 1.5  # SIGTERM -> SIGKILL for a dead controller's grandchildren
 EXIT_PARENT_GONE = 3
@@ -227,35 +231,42 @@ def dist_line(config: pytest.Config) -> str:
 
 # -------------------------------------------------------------- device variants
 
-def device_of(item: pytest.Item) -> str | None:
-    """The ``device`` parameter of a contract-tier test, else None."""
+def device_of(item: pytest.Item, param: str = DEVICE_PARAM) -> str | None:
+    """The ``param`` device parameter of a contract-tier test, else None."""
     callspec = getattr(item, "callspec", None)
     if callspec is None or item.get_closest_marker("contract") is None:
         return None
-    value = callspec.params.get(DEVICE_PARAM)
+    value = callspec.params.get(param)
     return value if isinstance(value, str) else None
 
 
 def split_device_variants(items: Sequence[pytest.Item],
-                          worker_devices: Sequence[str]
+                          worker_devices: Sequence[str], gpu_here: bool = False
                           ) -> tuple[list[pytest.Item], dict[str, list[pytest.Item]]]:
     """Split off the device variants the connector's worker side cannot run.
 
     Args:
         items: the collected items.
         worker_devices: the profile's ``connector.worker_devices``.
+        gpu_here: the box has a CUDA GPU (hardware level ``gpu``).
 
     Returns:
-        (kept items, device -> deselected items).
+        (kept items, device -> deselected items): every ``device`` variant the
+        worker cannot run; the ``make_rig`` ``[cpu]`` variants of a CUDA-only
+        worker where a GPU is here.
 
     """
     keep: list[pytest.Item] = []
     dropped: dict[str, list[pytest.Item]] = {}
     allowed = set(worker_devices)
+    cuda_only = gpu_here and "cuda" in allowed and "cpu" not in allowed
     for item in items:
         dev = device_of(item)
+        rig = device_of(item, RIG_PARAM)
         if dev is not None and dev not in allowed:
             dropped.setdefault(dev, []).append(item)
+        elif rig == "cpu" and cuda_only:
+            dropped.setdefault(rig, []).append(item)
         else:
             keep.append(item)
     return keep, dropped

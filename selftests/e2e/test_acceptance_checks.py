@@ -66,7 +66,11 @@ def test_output_diff_speaks_vllms_vocabulary_and_names_both_sides():
     msg = tp.output_diff(comp([3, 4, 5, 6]), comp([3, 4, 9, 9]), "baseline (no "
                          "connector)", "connector pass 2")
     assert ("output token ids differ between baseline (no connector) and "
-            "connector pass 2 at position 2: Matched tokens: [3, 4]") in msg
+            "connector pass 2 at position 2: 2 identical output token(s) before it "
+            "([3, 4])") in msg
+    first = tp.output_diff(comp([3, 4]), comp([5, 4]), "a", "b")
+    assert "at position 0: no identical output token before it" in first, first
+    assert "Matched tokens" not in msg + first  # not the connector's matched tokens
     assert "baseline (no connector): [5, 6], connector pass 2: [9, 9]" in msg
     assert "1.0000 nats, not a tie" in msg
     assert tp.output_diff(comp([3, 4]), comp([3, 4]), "a", "b") == ""

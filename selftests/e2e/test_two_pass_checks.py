@@ -155,3 +155,54 @@ def test_hit_log_is_not_required_when_the_rule_expects_no_hit(tmp_path):
     tp.check_hit_logged(r, "Tutti hit", srv.log_path, expected=0)
     with pytest.raises(AssertionError, match="expected a line matching"):
         tp.check_hit_logged(r, "Tutti hit", srv.log_path, expected=48)
+
+
+# ------------------------------------------- the red names what the connector served
+LMCACHE_LINE = ("[2026-12-01 10:00:01,123] LMCache INFO: Reqid: cmpl-1, Total tokens "
+                "769, Inference Engine computed tokens: 0, LMCache hit tokens: 768, "
+                "need to load: 768 (vllm_v1_adapter.py:1474:lmcache.integration)")
+LMCACHE_PATTERN = r"LMCache hit tokens: (?P<tokens>\d+)"
+
+
+def served(deltas: dict[str, float], log: str = "", pattern: str = ""
+           ) -> tp.TwoPassResult:
+    """Pass 2 differing from pass 1 at token 0, with these counters and log."""
+    lp1, lp2 = [{3: -0.1, 4: -3.0}], [{4: -0.1, 3: -3.0}]
+    r = sequences([3], [4], lp1, lp2)
+    r.prompt = [1] * 769
+    r.pass2.deltas.update(deltas)
+    r.pass2.log = log
+    r.hit_log_pattern = pattern
+    return r
+
+
+@pytest.mark.parametrize(("deltas", "log", "pattern", "says"), [
+    ({"external_source_tokens": 768.0, "external_hits": 768.0}, "", "",
+     'served 768 of 769 prompt tokens by the connector (vllm:prompt_tokens_by_'
+     'source_total{source="external_kv_transfer"})'),
+    ({"external_hits": 768.0}, "", "",
+     "served 768 of 769 prompt tokens by the connector "
+     "(vllm:external_prefix_cache_hits_total)"),
+    # no counter moved (an older vLLM, a connector that reports no stats): its log
+    ({}, LMCACHE_LINE, LMCACHE_PATTERN,
+     "served 768 of 769 prompt tokens by the connector (the connector's log"),
+    ({}, "", LMCACHE_PATTERN, "was served no prompt token by the connector"),
+], ids=["by-source", "external-hits", "connector-log", "none"])
+def test_a_red_at_token_0_names_the_tokens_served(deltas, log, pattern, says):
+    r = served(deltas, log, pattern)
+    for check in (tp.check_same_output_tokens, tp.check_logprobs_agree):
+        with pytest.raises(AssertionError) as e:
+            check(r)
+        msg = str(e.value)
+        assert says in msg, msg
+        assert "Matched tokens" not in msg, msg
+    assert "at position 0: no identical output token before it" in str(
+        pytest.raises(AssertionError, tp.check_same_output_tokens, r).value)
+
+
+def test_the_hit_count_is_read_from_the_connectors_own_log():
+    assert tp.logged_hit_tokens(LMCACHE_PATTERN, "x\n" + LMCACHE_LINE) == 768
+    assert tp.logged_hit_tokens("LMCache hit tokens: (\\d+)", LMCACHE_LINE) == 768
+    assert tp.logged_hit_tokens("External Cache Hit!", LMCACHE_LINE + "\n"
+                                "External Cache Hit!") is None  # no number
+    assert tp.logged_hit_tokens("", LMCACHE_LINE) is None

@@ -469,15 +469,23 @@ def check_store_paths(extra: Mapping[str, Any], scratch: Path,
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def check_vllm_env(env: Mapping[str, Any]) -> None:
-    """``[vllm] env``: names of environment variables, string values, no ``TVC_*``.
+def check_env(env: Mapping[str, Any], key: str) -> None:
+    """An environment table: names of variables, string values, no ``TVC_*``.
 
     ``TVC_*`` variables are the suite's own and never reach a server
     (:mod:`tvc.procs.server_env`); a value must be a string because the environment
     holds only strings (write ``"0"``, not ``0``).
+
+    Args:
+        env: the table.
+        key: its dotted key for messages (``vllm.env``, ``connector.env``).
+
+    Raises:
+        Refusal: naming the variable's key.
+
     """
     for name, value in env.items():
-        where = f"vllm.env.{key_name(name)}"
+        where = f"{key}.{key_name(name)}"
         if not _ENV_NAME.fullmatch(name):
             raise Refusal("not an environment variable name (letters, digits and _, "
                           "not starting with a digit)", where)
@@ -490,6 +498,21 @@ def check_vllm_env(env: Mapping[str, Any]) -> None:
                           f"\"{shorten(value)}\")", where)
         if "\0" in value:
             raise Refusal("holds a NUL character", where)
+
+
+def check_connector_env(env: Mapping[str, Any]) -> None:
+    """``connector.env``: :func:`check_env`, and no ``VLLM_*`` (``[vllm] env``'s)."""
+    check_env(env, "connector.env")
+    for name in env:
+        if name.startswith("VLLM_"):
+            raise Refusal("vLLM's own variables belong in [vllm] env (the contract "
+                          "tier reads them there for its model-runner and KV-layout "
+                          "decision)", f"connector.env.{key_name(name)}")
+
+
+def check_vllm_env(env: Mapping[str, Any]) -> None:
+    """``[vllm] env``: :func:`check_env`, and the vLLM values the suite reads."""
+    check_env(env, "vllm.env")
     runner = env.get("VLLM_USE_V2_MODEL_RUNNER")
     if runner is not None and not re.fullmatch(r"-?\d+", runner.strip()):
         raise Refusal(f"{shorten(runner)} is not an integer (vLLM reads "

@@ -168,7 +168,9 @@ class ConnectorSection(Section):
                                "declared stand-in, or module:function")
     hit_rule_source: str = Field("", description="where the hit rule comes from")
     hit_log_pattern: str = Field("", description="regex the server log shows on a "
-                                 "hit")
+                                 "hit; a group named tokens (else the first group) "
+                                 "that captures a number is read as the hit's "
+                                 "tokens")
     persistent_store: bool = Field(False, description="the store survives a server "
                                    "restart")
     size_keys: list[str] = Field([], description="required keys the connector must "
@@ -176,6 +178,11 @@ class ConnectorSection(Section):
     worker_devices: list[str] = Field(["cuda"], description="devices the "
                                       "connector's worker side runs on: cuda, cpu "
                                       "(contract tier)")
+    env: dict[str, Any] = Field(
+        {}, description="environment the connector needs (strings, no VLLM_*): set "
+        "in the pytest process for the in-process tiers (level1, contract) from "
+        "the start of the run to its end, and for every vLLM server under [vllm] "
+        "env, e.g. { LMCACHE_TRACK_USAGE = \"false\" }")
 
     @staticmethod
     def _variables(info: ValidationInfo) -> dict[str, int | float]:
@@ -268,6 +275,13 @@ class ConnectorSection(Section):
     @classmethod
     def _log_pattern(cls, pattern: str, info: ValidationInfo) -> str:
         return _regex(pattern, info, "connector.hit_log_pattern")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if _final(info):
+            checks.check_connector_env(env)
+        return env
 
     @field_validator("worker_devices")
     @classmethod

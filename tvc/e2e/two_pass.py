@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
+from tvc.config.checks import MAX_LOG_LINE_CHARS
 from tvc.config.profile import search_log
 from tvc.procs.client import (
     EXTERNAL_HITS_METRIC,
@@ -92,6 +95,9 @@ class TwoPassResult:
         pass1: the computing pass.
         pass2: the pass after the prefix-cache reset (and restart, if asked).
         restarted: whether the server was restarted between the passes.
+        notes: remarks for the report.
+        hit_log_pattern: the profile's ``connector.hit_log_pattern`` the passes
+            were run with ("" when none), for :func:`served_tokens`.
 
     """
 
@@ -101,6 +107,7 @@ class TwoPassResult:
     pass2: PassResult
     restarted: bool = False
     notes: list[str] = field(default_factory=list)
+    hit_log_pattern: str = ""
 
     def properties(self, prefix: str = "") -> dict[str, Any]:
         """Figures for ``record_property`` (TTFT in s, counts in tokens)."""
@@ -254,7 +261,75 @@ def run_two_passes(server: VllmServer, prompt: Sequence[int], *,
         with contextlib.suppress(PollTimeout):
             wait_until(hit_logged, HIT_LOG_WAIT_S, LOG_POLL_S,
                        f"the hit log line {hit_log_pattern!r}")
-    return TwoPassResult(list(prompt), block_size, p1, p2, restart_between)
+    return TwoPassResult(list(prompt), block_size, p1, p2, restart_between,
+                         hit_log_pattern=hit_log_pattern)
+
+
+def logged_hit_tokens(pattern: str, log: str) -> int | None:
+    """Tokens a connector's own hit line names, e.g. LMCache's "hit tokens: 768".
+
+    Args:
+        pattern: ``connector.hit_log_pattern``; the count is its group named
+            ``tokens``, else its first group, when that group is a number.
+        log: the server log of one pass.
+
+    Returns:
+        the largest count of the matching lines, or None (no pattern, no match,
+        or no numeric group).
+
+    """
+    if not pattern:
+        return None
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, OverflowError, RecursionError, ValueError):
+        return None
+    counts = []
+    for line in log.splitlines():
+        try:
+            m = compiled.search(line[:MAX_LOG_LINE_CHARS], timeout=1.0)
+        except TimeoutError:  # a backtracking pattern on this line: no count
+            continue
+        if m is None:
+            continue
+        group = m.groupdict().get("tokens") or (m.group(1) if m.groups() else None)
+        if group is not None and group.strip().isdigit():
+            counts.append(int(group))
+    return max(counts) if counts else None
+
+
+def served_tokens(r: TwoPassResult) -> tuple[int, str]:
+    """Prompt tokens pass 2 was served by the connector, and where that was read.
+
+    First that says so: vLLM's per-source counter
+    (``prompt_tokens_by_source{source="external_kv_transfer"}``), its external
+    hit counter (``external_prefix_cache_hits``), the connector's own hit line
+    (:func:`logged_hit_tokens`).
+
+    Returns:
+        ``(tokens, source)``; ``(0, why)`` when none of them shows a hit.
+
+    """
+    by_source = int(r.pass2.deltas.get("external_source_tokens", 0))
+    if by_source > 0:
+        return by_source, (f"{PROMPT_TOKENS_BY_SOURCE_METRIC}{{source="
+                           f"\"{EXTERNAL_SOURCE_LABEL}\"}}")
+    hits = int(r.pass2.deltas.get("external_hits", 0))
+    if hits > 0:
+        return hits, EXTERNAL_HITS_METRIC
+    logged = logged_hit_tokens(r.hit_log_pattern, r.pass2.log)
+    if logged:
+        return logged, f"the connector's log ({r.hit_log_pattern!r})"
+    return 0, "neither vLLM's counters nor the connector's log show a hit"
+
+
+def served_text(r: TwoPassResult) -> str:
+    """``pass 2 was served 768 of 769 prompt tokens by the connector (<source>)``."""
+    n, source = served_tokens(r)
+    if not n:
+        return f"pass 2 was served no prompt token by the connector ({source})"
+    return (f"pass 2 was served {n} of {len(r.prompt)} prompt tokens by the "
+            f"connector ({source})")
 
 
 # ---------------------------------------------------------------------------- checks
@@ -415,8 +490,11 @@ def output_diff(outputs_0: Completion, outputs_1: Completion, name_0: str,
                and any(_tie_in(top[i], (a.token_ids[i], b.token_ids[i]))
                        for top in (a.top_logprobs, b.top_logprobs)))
         if not tie:
+            same = (f"{i} identical output token(s) before it "
+                    f"({list(a.token_ids[:i])})" if i else
+                    "no identical output token before it")
             return (f"output token ids differ between {name_0} and {name_1} at "
-                    f"position {i}: Matched tokens: {list(a.token_ids[:i])}; "
+                    f"position {i}: {same}; "
                     f"{name_0}: {list(a.token_ids[i:])}, {name_1}: "
                     f"{list(b.token_ids[i:])} ({name_0}'s top-2 logprob gap "
                     f"there: {_top2_gap(a, i)} nats, not a tie){tail}")
@@ -463,7 +541,7 @@ def comparable_positions(r: TwoPassResult) -> int:
     a, b = r.pass1.completion, r.pass2.completion
     msg = output_diff(a, b, "pass 1", "pass 2", what="tokens", hint=LOAD_HINT)
     if msg:
-        raise AssertionError(msg)
+        raise AssertionError(f"{msg} ({served_text(r)})")
     i = _first_mismatch(a.token_ids, b.token_ids)
     return len(a.token_ids) if i is None else i + 1
 
@@ -510,7 +588,7 @@ def check_logprobs_agree(r: TwoPassResult, atol: float = LOGPROB_ATOL) -> None:
                       hint="the KV the connector loaded differs from what pass 1 "
                            "computed")
     if msg:
-        raise AssertionError(msg)
+        raise AssertionError(f"{msg} ({served_text(r)})")
 
 
 BASELINE_NAME = "baseline (no connector)"
@@ -590,7 +668,7 @@ def check_against_baseline(r: TwoPassResult, baseline: Completion | None,
         return
     msg = baseline_verdict(baseline, r.pass1.completion, r.pass2.completion, atol)
     if msg:
-        raise AssertionError(msg)
+        raise AssertionError(f"{msg} ({served_text(r)})")
 
 
 def check_acceptance(r: TwoPassResult, expected: int, hit_log_pattern: str,

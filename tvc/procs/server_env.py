@@ -19,11 +19,17 @@ import functools
 import importlib.util
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 SUITE_PREFIX = "TVC_"
 VLLM_PREFIX = "VLLM_"
+#: set (where unset) in the pytest process and every server, so that a run never
+#: sends usage data off the box on its own: ``DO_NOT_TRACK`` is read by vLLM
+#: (``vllm/envs.py`` VLLM_DO_NOT_TRACK, ``vllm/usage/usage_lib.py``
+#: ``is_usage_stats_enabled``) and by LMCache (``lmcache/usage_telemetry/
+#: identity.py`` ``is_usage_tracking_enabled``, 0.5.6)
+NO_TELEMETRY_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
 # ast.parse is not thread-safe in CPython 3.11 ("AST constructor recursion depth
@@ -93,3 +99,36 @@ def server_environ(base: Mapping[str, str],
             continue
         out[name] = value
     return out
+
+
+def apply_environ(env: Mapping[str, str],
+                  defaults: Mapping[str, str] = NO_TELEMETRY_ENV
+                  ) -> Callable[[], None]:
+    """Set ``env`` (and ``defaults`` where unset) in ``os.environ``.
+
+    For the in-process tiers: the profile's ``connector.env`` is set before the
+    connector is imported (level1, the contract tier) and inherited by every
+    process the run starts.
+
+    Args:
+        env: variables to set (strings), e.g. the profile's ``connector.env``.
+        defaults: variables set only where the environment has none.
+
+    Returns:
+        ``restore()``: puts back every variable as it was (set or unset).
+
+    """
+    import os
+
+    merged = {**{k: v for k, v in defaults.items() if k not in os.environ}, **env}
+    saved = {k: os.environ.get(k) for k in merged}
+    os.environ.update(merged)
+
+    def restore() -> None:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return restore

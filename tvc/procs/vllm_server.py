@@ -51,12 +51,12 @@ from tvc.plugin.error_hints import hint_prefix
 from tvc.procs.client import ServerError, VllmClient
 from tvc.procs.polling import PollTimeout, wait_until
 from tvc.procs.process import alive, family, stop_tree
-from tvc.procs.server_env import server_environ
+from tvc.procs.server_env import NO_TELEMETRY_ENV, server_environ
 from tvc.store.run_store import isolate_store_paths
 
 VLLM_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-              "PYTHONUNBUFFERED": "1"}
+              "PYTHONUNBUFFERED": "1", **NO_TELEMETRY_ENV}
 # A tiny model starts in 55-92 s on the GPU host (seen by hand); a 7B model loads
 # for a few minutes. 600 s bounds both without hanging a run forever.
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -660,8 +660,9 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
             A connector server (one with a ``kv_transfer_config``) logs at the
             profile's ``connector.hit_log_level`` (``VLLM_LOGGING_LEVEL``, read by
             vLLM 0.26 and 0.28 in vllm/envs.py) unless ``env`` sets it.
-            The profile's ``[vllm] env`` is the server's environment on top
-            of the process's; an ``env`` override adds to it, key by key.
+            The profile's ``connector.env``, then its ``[vllm] env``, are the
+            server's environment on top of the process's; an ``env`` override
+            adds to it, key by key.
 
     Returns:
         the server; use it as a context manager. When the run has a server pool
@@ -679,8 +680,10 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
         "serve_args": profile["vllm"]["serve_args"],
         "log_path": run_log_dir(config, profile) / _log_name(config, stem),
     }
-    profile_env = {k: str(v) for k, v in dict(profile["vllm"].get("env") or {}
-                                               ).items()}
+    # the connector's environment ([connector] env), then vLLM's ([vllm] env)
+    profile_env = {k: str(v) for k, v in {
+        **dict(profile["connector"].get("env") or {}),
+        **dict(profile["vllm"].get("env") or {})}.items()}
     if profile_env:
         kwargs["env"] = profile_env
     kwargs.update(overrides)

@@ -90,6 +90,50 @@ def make_fake_vllm(base: Path, torch_req: str | None = None,
     return tree, site
 
 
+def make_fake_distribution(site: Path, name: str, version: str,
+                           files: dict[str, str | bytes],
+                           requires: tuple[str, ...] = (),
+                           direct_url: dict[str, object] | None = None) -> Path:
+    """An installed distribution in ``site``: its files and a ``.dist-info``.
+
+    Args:
+        site: the folder to put on PYTHONPATH (made if missing).
+        name: the distribution (and top-level package) name.
+        version: its version.
+        files: path relative to ``site`` -> text or bytes (the package's files,
+            listed in ``RECORD``).
+        requires: ``Requires-Dist`` lines (e.g. ``"torch==2.11.0"``).
+        direct_url: the PEP 610 ``direct_url.json`` (e.g. ``{"url": ...,
+            "vcs_info": {"vcs": "git", "commit_id": ...}}``), or None.
+
+    Returns:
+        the ``.dist-info`` folder.
+
+    """
+    import json
+
+    for rel, body in files.items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(body, bytes):
+            path.write_bytes(body)
+        else:
+            path.write_text(body)
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (info / "top_level.txt").write_text(f"{name}\n")
+    listed = [*files, f"{info.name}/METADATA", f"{info.name}/top_level.txt"]
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+        listed.append(f"{info.name}/direct_url.json")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in listed)
+                                 + f"{info.name}/RECORD,,\n")
+    return info
+
+
 def pythonpath(*dirs: Path) -> str:
     """A PYTHONPATH value with ``dirs`` first, keeping any inherited entries."""
     parts = [str(d) for d in dirs]

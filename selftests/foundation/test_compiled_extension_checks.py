@@ -9,6 +9,7 @@ through the suite in test_vllm_install_checks.py.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.metadata as md
 import importlib.util
 import shutil
 import subprocess
@@ -150,3 +151,109 @@ def test_compiled_extensions_load_fails_naming_cause_and_fix(fake_pkg) -> None:
 ])
 def test_explain_import_error(text: str, cause: str) -> None:
     assert vllm_install.explain_import_error(text).startswith(cause)
+
+
+# ------------------------------------------- the connector's own extensions (level1)
+#: a torch C++ symbol no library defines: c10::tvc_fake_missing()
+C10_SYMBOL = "_ZN3c1016tvc_fake_missingEv"
+BUILT_FOR = "torch==2.11.0"
+
+
+@pytest.fixture(scope="module")
+def fake_connector_site(tmp_path_factory) -> Path:
+    """``tvcfakeconn`` 1.2.3 (Requires-Dist torch==2.11.0): a good extension and
+    one built against a torch whose symbol is missing here; returns its site."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the fake extensions "
+                    "(apt-get install gcc)")
+    inc = sysconfig.get_paths()["include"]
+    if not (Path(inc) / "Python.h").is_file():
+        pytest.skip(f"Python.h is not in {inc}: cannot build the good fake extension "
+                    "(install this Python's development headers)")
+    from selftests.foundation.fakes import make_fake_distribution
+
+    root = tmp_path_factory.mktemp("conn")
+    src = root / "src"
+    src.mkdir()
+    (src / "ok.c").write_text(GOOD_EXT % ("_ok_C", "_ok_C"))
+    _gcc("-shared", "-fPIC", f"-I{inc}", str(src / "ok.c"), "-o", str(src / "ok.so"))
+    (src / "abi.c").write_text(f"extern int {C10_SYMBOL}(void);\n"
+                               f"int tvc_calls(void) {{ return {C10_SYMBOL}(); }}\n")
+    _gcc("-shared", "-fPIC", str(src / "abi.c"), "-o", str(src / "abi.so"))
+    # a CUDA extension: links libc10_cuda.so, which a CPU build of torch lacks
+    (src / "c10cuda.c").write_text("int tvc_dep_value(void) { return 1; }\n")
+    _gcc("-shared", "-fPIC", str(src / "c10cuda.c"), "-o", str(src / "libc10_cuda.so"))
+    (src / "cuda.c").write_text(NEEDS_LIB_EXT)
+    _gcc("-shared", "-fPIC", str(src / "cuda.c"), f"-L{src}", "-lc10_cuda", "-o",
+         str(src / "cuda.so"))
+    (src / "libc10_cuda.so").unlink()
+    site = root / "site"
+    make_fake_distribution(site, "tvcfakeconn", "1.2.3", {
+        "tvcfakeconn/__init__.py": "",
+        f"tvcfakeconn/_ok_C{SUFFIX}": (src / "ok.so").read_bytes(),
+        f"tvcfakeconn/ops/_C{SUFFIX}": (src / "abi.so").read_bytes(),
+        "tvcfakeconn/ops/__init__.py": "",
+        f"tvcfakeconn/cuda_ops{SUFFIX}": (src / "cuda.so").read_bytes(),
+        # another Python's build: not this interpreter's to load
+        "tvcfakeconn/_x.cpython-39-x86_64-linux-gnu.so": b"",
+    }, requires=(BUILT_FOR, "numpy"))
+    return site
+
+
+def _run_level1(tmp_path: Path, site: Path, **imports: object) -> object:
+    from selftests.conftest import run_suite
+    from selftests.foundation.fakes import minimal_profile, pythonpath
+
+    prof = minimal_profile(tmp_path / "p.toml", tmp_path / "scratch",
+                           imports=imports)
+    return run_suite(["suites/level1/test_connector_resolves.py", "-p", "no:xdist",
+                      "-k", "connector_extensions_load", f"--tvc-profile={prof}"],
+                     tmp_path / "r", env={"PYTHONPATH": pythonpath(site, REPO_ROOT)})
+
+
+def test_connector_extension_with_a_torch_abi_mismatch_fails_level1(
+        tmp_path: Path, fake_connector_site: Path) -> None:
+    """Found from the package's files: the good one loads, the ABI mismatch fails
+    naming the symbol and the torch its distribution was built for."""
+    run = _run_level1(tmp_path, fake_connector_site, modules=["tvcfakeconn"])
+    ok = run.test("test_connector_extensions_load[tvcfakeconn._ok_C]")
+    assert ok["outcome"] == "passed", run.tail()
+    assert ok["properties"]["extension_distribution"] == "tvcfakeconn 1.2.3"
+    bad = run.test("test_connector_extensions_load[tvcfakeconn.ops._C]")
+    msg = bad["message"]
+    assert bad["outcome"] == "failed", run.tail()
+    assert f"`import tvcfakeconn.ops._C` failed with undefined symbol {C10_SYMBOL}" \
+        in msg, msg
+    if shutil.which("c++filt"):
+        assert "(c10::tvc_fake_missing())" in msg, msg
+    torch_here = md.version("torch")
+    assert (f"it was built for another torch (tvcfakeconn 1.2.3 requires "
+            f"{BUILT_FOR}); this Python has torch {torch_here}") in msg, msg
+    cuda = run.test("test_connector_extensions_load[tvcfakeconn.cuda_ops]")
+    if not run.summary["hardware"]["levels"]["gpu"]:  # one hardware skip, not red
+        assert cuda["outcome"] == "skipped", run.tail()
+        assert "tvcfakeconn.cuda_ops (tvcfakeconn 1.2.3) is a CUDA extension: it " \
+            "links libc10_cuda.so" in cuda["message"], cuda["message"]
+        assert "no CUDA GPU" in cuda["message"], cuda["message"]
+    assert len(run.summary["tests"]) == 3, run.tail()  # the cpython-39 file is not
+
+
+def test_connector_extensions_named_in_the_profile_are_the_ones_loaded(
+        tmp_path: Path, fake_connector_site: Path) -> None:
+    run = _run_level1(tmp_path, fake_connector_site,
+                      extensions=["tvcfakeconn._ok_C", "tvcfakeconn._gone_C"])
+    assert {t["nodeid"].split("[")[-1] for t in run.summary["tests"]} == {
+        "tvcfakeconn._ok_C]", "tvcfakeconn._gone_C]"}, run.tail()
+    assert run.test("[tvcfakeconn._ok_C]")["outcome"] == "passed"
+    gone = run.test("[tvcfakeconn._gone_C]")
+    assert gone["outcome"] == "failed", run.tail()
+    assert "No module named 'tvcfakeconn._gone_C'" in gone["message"]
+    assert "is in no installed distribution: check [imports] extensions" in \
+        gone["message"]
+
+
+def test_a_connector_without_extensions_skips_naming_why(tmp_path: Path) -> None:
+    run = _run_level1(tmp_path, tmp_path)  # ExampleConnector: inside vLLM
+    t = run.test("test_connector_extensions_load[none]")
+    assert t["outcome"] == "skipped", t
+    assert "names no compiled extension ([imports] extensions)" in t["message"]

@@ -346,6 +346,19 @@ class ImportsSection(Section):
     modules: list[str] = Field([], description="modules the target needs besides "
                                "vLLM")
     hint: str = Field("", description="what to do when one of them does not import")
+    extensions: list[str] = Field(
+        [], description="compiled extension modules the connector loads, imported "
+        "by level1 (an ABI mismatch names the missing symbol); empty = every "
+        "extension module of the distributions holding connector.module_path and "
+        "the modules above")
+
+    @field_validator("modules", "extensions")
+    @classmethod
+    def _dotted(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        for name in names if _final(info) else ():
+            if not name or not all(p.isidentifier() for p in name.split(".")):
+                raise Refusal(f"{shorten(name)} is not a dotted module name")
+        return names
 
 
 class DaemonSection(Section):

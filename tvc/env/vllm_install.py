@@ -143,35 +143,179 @@ def version_satisfies(spec: SpecifierSet, version: str) -> bool:
     return spec.contains(Version(version), prereleases=True)
 
 
+def extension_module(rel: Path) -> str | None:
+    """The dotted module name of an extension file this interpreter can import.
+
+    Args:
+        rel: the file's path relative to its ``sys.path`` entry
+            (``vllm/_C.abi3.so``).
+
+    Returns:
+        ``vllm._C``; None for a file whose suffix this interpreter does not load
+        (a ``cpython-312`` build under Python 3.11: its stem keeps a dot) or whose
+        parts are not identifiers.
+
+    """
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    suffix = next((s for s in suffixes if rel.name.endswith(s)), None)
+    # a module name has no dots: "_C.cpython-312-...so" under Python 3.11 only
+    # matches the bare ".so" suffix and leaves "_C.cpython-312-..." -> not ours
+    if suffix is None or "." in rel.name[: -len(suffix)]:
+        return None
+    parts = [*rel.parent.parts, rel.name[: -len(suffix)]]
+    return ".".join(parts) if all(p.isidentifier() for p in parts) else None
+
+
 def discover_extensions(pkg_dir: Path) -> list[str]:
     """Compiled extension modules shipped in the vLLM package, importable here.
-
-    Files whose suffix this interpreter does not load (e.g. a ``cpython-312`` build
-    under Python 3.11) are left out.
 
     Args:
         pkg_dir: the ``vllm`` package directory.
 
     Returns:
-        sorted dotted module names, e.g. ``vllm._C_stable_libtorch``.
+        sorted dotted module names, e.g. ``vllm._C_stable_libtorch``
+        (:func:`extension_module` of each ``*.so``).
 
     """
-    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
-    names = []
-    for path in pkg_dir.rglob("*.so"):
-        suffix = next((s for s in suffixes if path.name.endswith(s)), None)
-        # a module name has no dots: "_C.cpython-312-...so" under Python 3.11 only
-        # matches the bare ".so" suffix and leaves "_C.cpython-312-..." -> not ours
-        if suffix is None or "." in path.name[: -len(suffix)]:
-            continue
-        rel = path.relative_to(pkg_dir.parent)
-        parts = [*rel.parent.parts, path.name[: -len(suffix)]]
-        # The bare ``.so`` suffix also matches ``_C.cpython-312-x86_64-linux-gnu.so``;
-        # such a stem is not a module name this interpreter can import: leave it out.
-        if not all(part.isidentifier() for part in parts):
-            continue
-        names.append(".".join(parts))
-    return sorted(set(names))
+    names = (extension_module(p.relative_to(pkg_dir.parent))
+             for p in pkg_dir.rglob("*.so"))
+    return sorted({n for n in names if n})
+
+
+def distributions_of(modules: list[str]) -> dict[str, md.Distribution]:
+    """The installed distributions that hold these modules' top-level packages.
+
+    Args:
+        modules: dotted module names (``lmcache.integration.vllm``); read from
+            the distributions' metadata, nothing imported.
+
+    Returns:
+        distribution name -> distribution, vLLM's own left out (level1 checks
+        its extensions itself).
+
+    """
+    by_top = md.packages_distributions()
+    out: dict[str, md.Distribution] = {}
+    for mod in modules:
+        for name in by_top.get(mod.split(".")[0], ()):
+            if md.distribution(name).metadata["Name"].lower() != "vllm":
+                out.setdefault(name, md.distribution(name))
+    return out
+
+
+def connector_extensions(profile: Any) -> dict[str, str]:
+    """The compiled extensions the profile's connector loads, with their origin.
+
+    ``[imports] extensions`` when the profile names them; else every extension
+    module of the distributions holding ``connector.module_path`` and the
+    ``[imports] modules`` (their installed files, ``RECORD``).
+
+    Returns:
+        extension module -> its distribution (``"lmcache 0.5.6"``), or ``""``
+        for a named extension no installed distribution holds.
+
+    """
+    named = list(profile["imports"].get("extensions") or [])
+    modules = [m for m in [profile["connector"]["module_path"],
+                           *profile["imports"]["modules"]] if m]
+    dists = distributions_of(named or modules)
+    out: dict[str, str] = {}
+    for dist in dists.values():
+        label = f"{dist.metadata['Name']} {dist.version}"
+        top = set((dist.read_text("top_level.txt") or "").split())
+        for f in dist.files or ():
+            name = extension_module(Path(str(f)))
+            if name and (named or not top or name.split(".")[0] in top):
+                out[name] = label
+    if named:  # the profile's list decides which; the files name the origin
+        return {n: out.get(n, "") for n in named}
+    return dict(sorted(out.items()))
+
+
+def built_for_torch(module: str) -> str:
+    """What the extension's distribution says about torch: its ``Requires-Dist``.
+
+    Returns:
+        e.g. ``"lmcache 0.5.3 requires torch==2.11.0"``; "" when unknown.
+
+    """
+    for dist in distributions_of([module]).values():
+        for raw in dist.requires or ():
+            try:
+                req = Requirement(raw)
+            except ValueError:
+                continue
+            if req.name.lower() == "torch" and str(req.specifier):
+                return (f"{dist.metadata['Name']} {dist.version} requires "
+                        f"torch{req.specifier}")
+    return ""
+
+
+def explain_extension_error(module: str, error: str) -> str:
+    """One paragraph for a connector extension that did not import.
+
+    Names the missing symbol (demangled where ``c++filt`` is installed) and the
+    torch the extension was built for (:func:`built_for_torch`) against the torch
+    installed here.
+
+    Args:
+        module: the extension module.
+        error: ``"ImportError: ..."`` from :func:`import_extensions`.
+
+    """
+    m = re.search(r"undefined symbol: (\S+)", error)
+    if m is None:
+        return f"`import {module}` failed: {error[:400]} — {explain_import_error(error)}"
+    sym = m.group(1)
+    nice = _demangle(sym)
+    here = _dist_version("torch") or "none"
+    built = built_for_torch(module)
+    was = (f"it was built for another torch ({built}); this Python has torch "
+           f"{here}" if built else f"it was built against another torch than the "
+           f"torch {here} installed here (its distribution names no torch pin)")
+    return (f"`import {module}` failed with undefined symbol {sym}"
+            + (f" ({nice})" if nice else "") + f": an ABI mismatch — {was}. Fix: "
+            "install the connector's build for this torch, or the torch it was "
+            f"built for. ({error[:300]})")
+
+
+#: a CUDA library an extension links and the loader did not find (libcuda: the
+#: driver; libcudart: the runtime; libc10_cuda / libtorch_cuda: a CUDA torch)
+_CUDA_LIB = re.compile(r"(lib(?:cuda|cudart|c10_cuda|torch_cuda)\.so[.\d]*): cannot "
+                       r"open shared object file")
+
+
+def cuda_library_missing(error: str) -> str:
+    """The CUDA library an import error says is missing, or "".
+
+    An extension built for CUDA cannot load with a CPU build of torch (no
+    ``libc10_cuda.so``) or without a driver (no ``libcuda.so.1``): that is a
+    missing GPU, not a broken connector, where its Python path runs on CPU too
+    (LMCache's ``cuda_ops`` beside its CPU extensions).
+    """
+    m = _CUDA_LIB.search(error)
+    return m.group(1) if m else ""
+
+
+def _demangle(symbol: str) -> str:
+    """``c++filt``'s reading of a C++ symbol, or "" (not installed, not C++)."""
+    import shutil
+
+    if not symbol.startswith("_Z") or shutil.which("c++filt") is None:
+        return ""
+    try:
+        out = subprocess.run(["c++filt", symbol], capture_output=True, text=True,
+                             timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out if out and out != symbol else ""
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return ""
 
 
 _IMPORT_ALL = r"""

@@ -566,6 +566,8 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
         pytest.UsageError: the run folder cannot be written.
 
     """
+    from tvc.report.provenance import provenance
+
     line = run_control.dist_line(config)
     if line:
         config.stash[_NOTES].append(line)
@@ -605,6 +607,7 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
                     "vllm_env": dict(profile["vllm"]["env"]),
                     **_under_test(profile)},
         "versions": reporting.versions(),
+        "provenance": provenance(profile),
         "hardware": {},
     }
     rep = reporting.RunReport(run_dir, meta)

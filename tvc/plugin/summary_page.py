@@ -436,11 +436,28 @@ def header_facts(s: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("arguments", str(run.get("args", "")) or "—"),
         ("vLLM", f"{ver.get('vllm', '?')} ({ver.get('vllm_location', '')})"),
         ("torch / Python", f"{ver.get('torch', '?')} / {ver.get('python', '?')}"),
+        *provenance_facts(s.get("provenance") or {}),
         ("GPUs", gpu),
         ("hardware levels", ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in
                                       (hw.get("levels") or {}).items()) or "—"),
         *extra,
     ]
+
+
+def provenance_facts(prov: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Header rows naming exactly what was tested (``summary.json`` ``provenance``).
+
+    Returns:
+        ``("suite", ...)``, ``("vLLM source", ...)`` and one ``("connector
+        package", ...)`` per package; none for a summary written before provenance.
+
+    """
+    from tvc.report.provenance import one_line
+
+    rows = [(label, one_line(prov[key])) for label, key in
+            (("suite", "suite"), ("vLLM source", "vllm")) if prov.get(key)]
+    rows += [("connector package", one_line(e)) for e in prov.get("connector", [])]
+    return rows
 
 
 def deselected_text(rows: list[Mapping[str, Any]]) -> str:

@@ -5,9 +5,10 @@ of event sequences (``--tvc-depth``: quick 10, standard 30, deep 100;
 ``--tvc-explore-examples N`` overrides it; the run's ``--tvc-seed`` draws the
 same sequences again) through vLLM's V1 scheduler and the connector's worker side
 (real where ``connector.worker_devices`` lists the rig's device: CPU, or CUDA
-for a CUDA-only worker on a GPU host; else the transfer-acknowledging stand-in). After every step the invariants of
-:data:`~tvc.contract.explore.INVARIANTS` hold; a failure shrinks to a minimal
-sequence printed as a replay script naming the connector method at fault. A green
+for a CUDA-only worker on a GPU host; else the transfer-acknowledging stand-in).
+After every step the invariants of :data:`~tvc.contract.explore.INVARIANTS`
+hold; a failure shrinks to a minimal sequence printed as a replay script naming
+the connector method at fault. A green
 also needs its premises: hits, loads, aborts, preemptions, faults actually happened.
 """
 

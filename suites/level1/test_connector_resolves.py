@@ -34,8 +34,10 @@ def test_connector_implements_every_abstract_method(vllm_module, tvc_profile) ->
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``module``: the profile's ``[imports] modules``; ``extension``: the
-    connector's compiled extensions (``[None]``: none, a skip).
+    """Parametrize the import tests from the profile (``[None]``: none, a skip).
+
+    ``module``: the profile's ``[imports] modules``; ``extension``: the
+    connector's compiled extensions.
 
     At collection, before any fixture: the profile comes from the plugin's run
     state (:func:`tvc.plugin.session.run_state`); the extensions are read from

@@ -265,7 +265,8 @@ def explain_extension_error(module: str, error: str) -> str:
     """
     m = re.search(r"undefined symbol: (\S+)", error)
     if m is None:
-        return f"`import {module}` failed: {error[:400]} — {explain_import_error(error)}"
+        return (f"`import {module}` failed: {error[:400]} — "
+                f"{explain_import_error(error)}")
     sym = m.group(1)
     nice = _demangle(sym)
     here = _dist_version("torch") or "none"

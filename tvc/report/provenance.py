@@ -1,5 +1,7 @@
-"""What exactly a run tested: versions and source commits of the suite, vLLM and the
-connector's package, for ``summary.json`` (``provenance``) and the summary page.
+"""What exactly a run tested: the suite's, vLLM's and the connector's sources.
+
+Versions and source commits of the suite, vLLM and the connector's package, for
+``summary.json`` (``provenance``) and the summary page.
 
 Read from installed metadata, never by importing the packages: a distribution's
 version (``importlib.metadata``), its PEP 610 ``direct_url.json`` (``vcs_info`` of a
@@ -99,7 +101,7 @@ def module_source(module: str) -> dict[str, Any]:
 
 
 def vllm_commit(pkg_dir: Path) -> str:
-    """``__commit_id__`` of ``vllm/_version.py`` (vLLM 0.28: ``'g2cf0a6915'``), or ""."""
+    """``__commit_id__`` of ``vllm/_version.py`` (0.28.0: ``'g2cf0a6915'``), or ""."""
     with contextlib.suppress(OSError, SyntaxError, ValueError):
         tree = ast.parse((pkg_dir / "_version.py").read_text(encoding="utf-8"))
         for node in ast.walk(tree):
@@ -129,7 +131,7 @@ def suite_source() -> dict[str, Any]:
 
 
 def vllm_source() -> dict[str, Any]:
-    """vLLM's version and commit (its ``_version.py``, else its install's source)."""
+    """The version and commit of vLLM (its ``_version.py``, else its install's)."""
     try:
         out = distribution_source(md.distribution("vllm"))
     except md.PackageNotFoundError:

@@ -1237,6 +1237,9 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                     if _interrupted(exc):  # surface the interrupt itself
                         raise KeyboardInterrupt(str(exc)[:200]) from None
                     members = getattr(exc, "exceptions", None)
+                    outcome = _test_outcome(exc)
+                    if outcome is not None:  # e.g. strict mode's missing GPU
+                        raise outcome from None
                     if isinstance(members, tuple) and members:
                         # an exception group: hypothesis found several distinct
                         # failures; name each (the group's message names none)
@@ -1252,6 +1255,20 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
     finally:
         stats.seconds += time.perf_counter() - t0
     return stats
+
+
+def _test_outcome(exc: BaseException) -> BaseException | None:
+    """A test outcome a sequence raised (pytest's skip or fail), else None.
+
+    Outcomes derive from ``BaseException``, not ``Exception`` (as interrupts,
+    handled before); hypothesis re-raises a skip but reports a ``pytest.fail``
+    as a failing example (grouped when several), which is the test's outcome
+    (``tvc_missing_hardware`` under ``--tvc-require``), not a broken invariant.
+    """
+    for e in (*getattr(exc, "exceptions", ()), exc):
+        if not isinstance(e, Exception) and getattr(e, "exceptions", None) is None:
+            return e
+    return None
 
 
 def _interrupted(exc: BaseException) -> bool:

@@ -3,9 +3,10 @@
 ``panel_connectors.py`` holds small, correct connectors of the shapes vLLM
 allows (synchronous; asynchronous, loading in the admission step; chunked at 16
 to 256 tokens, LMCache's default chunk being 256; delayed-free; rank-aware;
-failure-reporting). Each runs the whole contract tier (``-m contract``, CPU) with
-a generated profile, and must come back with no failure and no error, the
-scenarios of its shape having really run (passed, not skipped).
+failure-reporting; a stored whole prompt matched to ``len - 1``, as LMCache
+does). Each runs the whole contract tier (``-m contract``, CPU) with a generated
+profile, and must come back with no failure and no error, the scenarios of its
+shape having really run (passed, not skipped).
 
 Each false red the panel found is fixed in the suite, and for each fix a
 known-bad variant (``panel_bad_connectors.py``) shows the check still catches
@@ -21,7 +22,10 @@ its own fault, in its own words:
 * a profile giving only ``connector.hit_rules`` has its hits checked;
 * a rig where no worker can run says so, never "leaks";
 * a store shared by engines of two models: the panel keys by model, and a
-  variant that does not is red (vLLM's block hashes do not cover the model).
+  variant that does not is red (vLLM's block hashes do not cover the model);
+* a ``len - 1`` answer for a stored whole prompt is not "unaligned"; a write
+  into the last token's slot after the forward is red;
+* a CUDA-only worker on a CPU box is one hardware skip, never a leak.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def sweep(targets: list[str], seeds: list[int], examples: int, folder: Path,
           families: list[str], rotate: bool = False) -> dict[str, Any]:
     """Explore every target's families once per seed (see the module doc).
 
-    With ``rotate``, seed ``s`` explores one target, ``targets[s % len(targets)]``
-    (a panel of nine members over twenty seeds: each member two or three).
+    With ``rotate``, the i-th seed explores one target, ``targets[i %
+    len(targets)]`` (round-robin: eleven panel members over 22 seeds, two each).
     The families' fixed sequences (:func:`tvc.contract.explore.run_canonical`)
     draw nothing from the seed and run in every exploration test: not here.
     """
@@ -104,8 +104,8 @@ def sweep(targets: list[str], seeds: list[int], examples: int, folder: Path,
             stats = E.Stats(budget=examples)
             new = E.explorer_factory(profile, profile.scratch / "contract", fam,
                                      stats=stats, known=known, label=label)
-            for seed in seeds:
-                if rotate and targets[seed % len(targets)] != target:
+            for i, seed in enumerate(seeds):
+                if rotate and targets[i % len(targets)] != target:
                     continue
                 before = (stats.examples, stats.steps, stats.seconds,
                           dict(stats.known), time.process_time())
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default=",".join(REFERENCE))
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--rotate", action="store_true",
-                    help="seed s explores targets[s % len(targets)] only")
+                    help="the i-th seed explores targets[i % len(targets)] only")
     a = ap.parse_args(argv)
     result = sweep(a.targets.split(","), [int(s) for s in a.seeds.split(",")],
                    a.examples, a.out.parent / "sweep", a.families.split(","),

@@ -8,7 +8,7 @@ over :data:`FIXED_SEEDS` plus one new random seed per run:
 
 * both reference profiles (``example``, ``cpu-offload``) on every seed;
 * the panel of correct connectors (``test_panel_connectors.PANEL``), one member
-  per seed (``sorted(PANEL)[seed % 9]``: each member two or three fixed seeds).
+  per seed, round-robin in seed order (eleven members, 22 seeds: two each).
 
 Any red fails with its seed, family and target, the command that reruns it,
 and the shrunk replay script; a sequence that reaches one of the profile's
@@ -99,7 +99,7 @@ def check_sweep(result: dict[str, Any], targets: list[str], seeds: list[int],
 
     The family's own event (a preemption, a fault that fired) happened for
     each target (``per_target``) or for the targets together (a panel member
-    draws two or three seeds' sequences only).
+    draws two seeds' sequences or so).
     """
     runs = result["runs"]
     record_property("sweep_seeds", seeds)
@@ -156,4 +156,6 @@ def test_panel_holds_on_every_seed(tmp_path: Path, record_property: Any) -> None
     per_member = {m: sorted(r["seed"] for r in result["runs"]
                             if r["target"] == m and r["family"] == "core")
                   for m in panel}
-    assert all(len(v) >= 2 for v in per_member.values()), per_member
+    # round-robin: every member explored, none more than one seed ahead
+    counts = [len(v) for v in per_member.values()]
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1, per_member

@@ -9,10 +9,12 @@ default example budget and a fixed ``--tvc-seed``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,3 +168,55 @@ def test_exploration_flags_the_stand_in_worker(devices, worker, tmp_path) -> Non
     else:
         assert worker and test["outcome"] == "failed", test  # only a red stops it
     assert proc.returncode in (0, 1), (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_issue_34_seed_replay_stays_green() -> None:
+    """The replay of the red of ``--tvc-seed 1975927298`` (cpu-offload, vLLM 0.28.0).
+
+    req-18's load ended (``finished_recving``) the step after its admission,
+    but vLLM 0.28's scheduler kept it waiting for remote KV 47 more steps
+    behind a request it could not allocate (``skipped_waiting``; the engine
+    kept running other requests). The suite counted those steps against the
+    connector's load. Now only the steps before the receive ends count; the
+    premise — a request that waited more than the budget after its receive
+    ended — is asserted where vLLM's scheduler does that (0.26 / 0.28).
+    """
+    script = HERE / "replays" / "issue34_seed_1975927298.py"
+    res = _replay(script)
+    assert res["outcome"] == "green", res
+    from tvc.contract.explore import MAX_LOAD_STEPS
+
+    if res["vllm"].startswith(("0.26.", "0.28.")):
+        assert res["max_resume_wait"] > MAX_LOAD_STEPS, res
+
+
+def test_stranded_finished_load_is_named_as_vllms() -> None:
+    """The preemption family's fixed sequence, on cpu-offload.
+
+    vLLM 0.26 / 0.28 deadlock (a finished load behind a request holding no
+    block): the red names vLLM's scheduler, not the connector; cpu-offload
+    lists it as a known failure for those versions. 0.33 finishes it.
+    """
+    res = _replay(HERE / "replays" / "stranded_finished_load.py")
+    if res["vllm"].startswith(("0.26.", "0.28.")):
+        assert res["outcome"] == "red", res
+        assert "invariant 'vLLM resumes a finished load' broken" in res["text"], res
+        assert "connector method at fault: none: vLLM's scheduler" in res["text"]
+        assert "req-4 (WAITING" in res["text"] and "holds 0 blocks" in res["text"]
+        assert "get_finished" not in res["text"].split("replay (")[0], res
+    else:
+        assert res["outcome"] == "green", res
+
+
+def _replay(script: Path) -> dict[str, Any]:
+    """Run a replay script in a fresh interpreter; its last line is JSON."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TVC_PROFILE", "TVC_SEED", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, (
+        f"{script.name} did not run (exit {proc.returncode}):\n"
+        f"{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(lines[-1])

@@ -235,21 +235,24 @@ def test_page_shows_the_exploration_and_its_stand_in_worker(tmp_path) -> None:
     stats = {"examples": 30, "steps": 410, "requests": 120, "hits": 41, "loads": 39,
              "aborts": {"WAITING": 4, "RUNNING": 6}, "preemptions": 0,
              "restarts": 5, "faults": {}, "failed_loads_reported": 0,
-             "known": {}, "seconds": 9.5}
+             "known": {}, "seconds": 9.5, "seeds": [1975927298], "budget": 30}
     nid = "suites/contract/test_exploration.py::test_contract_holds_over_explored_" \
           "event_sequences"
     tests = [_t(f"{nid}[core]", "passed", exploration=stats,
                 worker="stand-in: tvc.contract.worker:JobAckWorker (job protocol)"),
-             _t(f"{nid}[tenants]", "passed", exploration={**stats, "hits": 7})]
+             _t(f"{nid}[tenants]", "passed", exploration={
+                 **stats, "hits": 7, "seeds": [1975927298, 1975927299]})]
     md, page = _page(tmp_path, _summary(tests, {"outcome": "passed",
                                                 "exit_status": 0}))
     section = md[md.index("## Exploration"):]
     rows = [ln for ln in section.splitlines() if ln.startswith("| core |")
             or ln.startswith("| tenants |")]
     assert rows[0].startswith("| core | passed | stand-in: tvc.contract.worker:"
-                              "JobAckWorker (job protocol) | 30 | 410 | 120 | 41 "
-                              "| 39 | RUNNING 6, WAITING 4 |"), rows[0]
-    assert rows[1].startswith("| tenants | passed | real | 30 | 410 | 120 | 7 |")
+                              "JobAckWorker (job protocol) | 30 | 1975927298 | 410 "
+                              "| 120 | 41 | 39 | RUNNING 6, WAITING 4 |"), rows[0]
+    # how many sequences ran, and with which seed(s): one per round
+    assert rows[1].startswith("| tenants | passed | real | 30 | 1975927298, "
+                              "1975927299 | 410 | 120 | 7 |"), rows[1]
     assert "1 test(s) ran with a worker stand-in" in md
     assert "<h2>Exploration" in page and "JobAckWorker" in page
 

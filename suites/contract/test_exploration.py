@@ -24,32 +24,6 @@ FAMILY_NAMES = ["core", "one_token", "preemption", "tenants", "faults"]
 MAX_ROUNDS = 4  # rounds of --tvc-explore-examples sequences drawn to meet premises
 
 
-def _premises_missing(stats, fam) -> list[str]:
-    """The premise events (see the asserts below) no sequence has produced yet."""
-    missing = [name for name, ok in (
-        ("hit that loaded", stats.hits > 0 and stats.loads > 0),
-        ("abort of a waiting request", stats.aborts.get("WAITING")),
-        ("abort of a running request", stats.aborts.get("RUNNING")),
-        ("shared prefix", stats.shared_prefix), ("twins", stats.twins),
-        ("restart", stats.restarts),
-        ("preemption", stats.preemptions > 0 or not fam.preemption),
-        ("tenant request", stats.tenant_requests > 0 or not fam.tenants),
-        ("fault", stats.faults or not fam.faults)) if not ok]
-    return missing
-
-
-def _selector(profile) -> str:
-    """What ``--tvc-profile`` takes to load ``profile`` again (the replay script).
-
-    A built-in's name, else its file's path.
-    """
-    from tvc.config.profile import BUILTIN_DIR
-
-    builtin = profile.source.resolve() == (BUILTIN_DIR / f"{profile.name}.toml"
-                                           ).resolve()
-    return profile.name if builtin else str(profile.source)
-
-
 def _seed(tvc_seed: int | None) -> int:
     from tvc.contract.builders import RUN_NONCE
 
@@ -63,10 +37,7 @@ def test_contract_holds_over_explored_event_sequences(
     from tvc.config.known_failures import entries_for
     from tvc.config.profile import known_failure_matches
     from tvc.contract import explore as E
-    from tvc.contract import make_rig
     from tvc.contract.coverage import PROPERTY, merge_logs
-    from tvc.contract.faults import fault_injector_for
-    from tvc.contract.scenarios import chunk_tokens
 
     # the profile's known defects for this test: a sequence reaching one stops
     # there (the others go on); the test then fails with that defect's symptom,
@@ -75,48 +46,36 @@ def test_contract_holds_over_explored_event_sequences(
              if e.get("match") and known_failure_matches(e, request.node.nodeid)]
     fam = E.FAMILIES[family]
     examples = tvc_depth.explore_examples  # --tvc-depth, --tvc-explore-examples
-    stats = E.Stats()
-    # where the worker runs (CUDA for a CUDA-only worker on a GPU host)
-    real = contract_rig_defaults["device"] in contract_profile["connector"][
-        "worker_devices"]
-
+    stats = E.Stats(budget=examples)
     logs = []  # every rig's coverage log (tvc.contract.coverage)
-
-    def rig(**kw):
-        r = make_rig(contract_profile, contract_scratch, real_worker=real,
-                     **{**contract_rig_defaults, **kw})
-        logs.append(r.driver.coverage)
-        return r
-
-    def new_explorer(policy: str) -> E.Explorer:
-        return E.Explorer(
-            rig,
-            chunk_tokens(contract_profile, E.BLOCK_SIZE), fam, policy,
-            contract_profile.kv_transfer_config(),
-            (lambda rig: fault_injector_for(contract_profile, rig))
-            if fam.faults else None, stats=stats, label=_selector(contract_profile),
-            scratch=contract_profile.scratch, known=known)
+    # rigs where the worker runs (CUDA for a CUDA-only worker on a GPU host)
+    new_explorer = E.explorer_factory(
+        contract_profile, contract_scratch, fam, stats=stats, known=known,
+        rig_defaults=contract_rig_defaults,
+        on_rig=lambda r: logs.append(r.driver.coverage))
 
     # premises are met by the sequences drawn, not by luck: a seed whose first
     # round never aborted a waiting request (say) draws further rounds, each
     # from the next seed, up to MAX_ROUNDS; only then do the premises fail
     try:
         for round_ in range(MAX_ROUNDS):
+            stats.seeds.append(_seed(tvc_seed) + round_)
             E.explore(new_explorer, fam, examples=examples,
-                      seed=_seed(tvc_seed) + round_, stats=stats)
-            if not _premises_missing(stats, fam):
+                      seed=stats.seeds[-1], stats=stats)
+            if not E.premises_missing(stats, fam):
                 break
     finally:  # no KV bytes moved: the report flags it (a red too), as the rigs do
         if stats.standins:
             record_property("worker", "stand-in: " + "; ".join(
                 sorted(stats.standins)))
-    out = stats.as_dict()
-    record_property(PROPERTY, merge_logs(logs))
-    record_property("exploration_rounds", round_ + 1)
-    record_property("exploration", out)
+        # what ran, red or green: sequences, seeds (summary.json, the page)
+        out = stats.as_dict()
+        record_property(PROPERTY, merge_logs(logs))
+        record_property("exploration_rounds", len(stats.seeds))
+        record_property("exploration", out)
     print(f"exploration [{family}]: {stats.examples} sequences, {stats.steps} steps "
-          f"in {out['seconds']} s ({out['examples_per_s']} sequences/s), seed "
-          f"{_seed(tvc_seed)}: {out}")
+          f"in {out['seconds']} s ({out['examples_per_s']} sequences/s), seeds "
+          f"{stats.seeds}: {out}")
     if stats.known:
         lines = [f"- {n} sequence(s) stopped at: {reason}\n  first: "
                  f"{stats.known_first[reason]}" for reason, n in stats.known.items()]
@@ -124,8 +83,8 @@ def test_contract_holds_over_explored_event_sequences(
             f"exploration [{family}] reached the profile's known defect(s) (every "
             "other sequence held the contract):\n" + "\n".join(lines))
     # premises: a green from sequences that never hit or loaded proves nothing
-    missing = _premises_missing(stats, fam)
-    drawn = (f"{stats.examples} sequences in {round_ + 1} round(s) of "
+    missing = E.premises_missing(stats, fam)
+    drawn = (f"{stats.examples} sequences in {len(stats.seeds)} round(s) of "
              f"--tvc-explore-examples={examples}")
     if missing:
         msg = (f"exploration [{family}]: never produced: {', '.join(missing)} "

@@ -23,9 +23,11 @@ driver per sequence) and checks the contract after every step:
   a hit is backed by tokens some request of the same tenant and adapter
   computed before the lookup (else a hit across tenants, or a hit nobody
   stored); every load finishes (a failed asynchronous load that the connector
-  matches again on vLLM's retry loops); after draining nothing is left and every
-  block is free. The blocks of a reported failed load get the stored KV once
-  judged (:attr:`tvc.contract.worker.ConnectorWorker.heal_reported`): vLLM's
+  matches again on vLLM's retry loops; the wait after the receive ended is
+  vLLM's, and an engine that then never schedules again is vLLM's scheduler
+  deadlock); after draining nothing is left and every block is free. The
+  blocks of a reported failed load get the stored KV once judged
+  (:attr:`tvc.contract.worker.ConnectorWorker.heal_reported`): vLLM's
   recompute policy keeps them in its prefix cache, and what an abort or a
   preemption before their recompute leaves there is vLLM's, not the
   connector's.
@@ -45,7 +47,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,9 @@ INVARIANTS = {
         "prompt_embeds)"),
     "no hit nobody stored": "get_num_new_matched_tokens (store key or index)",
     "every load finishes": "get_finished (finished_recving never reported)",
+    "vLLM resumes a finished load": (
+        "none: vLLM's scheduler (Scheduler.schedule never resumed a request whose "
+        "receive the connector reported finished)"),
     "no block or request leaks": (
         "request_finished / get_finished (finished_sending)"),
     "no exception escapes an engine step": "(named in the message)",
@@ -196,6 +202,14 @@ class Stats:
     aborts: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     failed_loads_reported: int = 0
+    #: longest run of steps a request waited for remote KV after its receive
+    #: had ended (vLLM's ``finished_recving_kv_req_ids``): vLLM resumes it only
+    #: when its waiting-queue walk reaches it (not the connector's load time)
+    max_resume_wait: int = 0
+    #: hypothesis seeds the family ran (one per round: the run's seed + round)
+    seeds: list[int] = field(default_factory=list)
+    #: sequences drawn per round (``--tvc-explore-examples``)
+    budget: int = 0
     #: later requests that counted as computed a block a reported failed load
     #: left in vLLM's prefix cache and nothing recomputed (vLLM's recovery gap
     #: under kv_load_failure_policy=recompute, not the connector's)
@@ -308,6 +322,10 @@ class Explorer:
         #: request id -> engine steps in which blocks of it were reported failed
         self.fail_cycles: dict[str, int] = {}
         self.wait_steps: dict[str, int] = {}
+        #: request id -> consecutive steps it has waited since its receive ended
+        self.resume_wait: dict[str, int] = {}
+        #: consecutive steps that scheduled nothing while such a request waited
+        self.idle_steps = 0
         self.poisoned: set[tuple[str, int]] = set()
         self.armed: list[tuple[str, str]] = []
         self.delay_left = 0
@@ -965,6 +983,27 @@ class Explorer:
                 self.stats.loads += 1
 
     def _check_errors_and_progress(self) -> None:
+        """Failed requests were reported; loads end; vLLM resumes ended loads.
+
+        A request waits for remote KV from its admission until vLLM's scheduler
+        resumes it. The connector's part ends when its worker reports the
+        receive (``finished_recving``; vLLM then holds the request in
+        ``Scheduler.finished_recving_kv_req_ids``, 0.26-0.33); only that part
+        counts against :data:`MAX_LOAD_STEPS`. vLLM resumes the request when
+        ``Scheduler.schedule``'s waiting-queue walk reaches it
+        (``_try_promote_blocked_waiting_request``, 0.26 / 0.28); the walk stops
+        at the first request it cannot allocate, so an ended load may wait
+        behind it for as long as running requests hold the blocks
+        (``vllm/v1/core/sched/scheduler.py`` 0.28.0 L748-L777, L1047).
+        When the engine then stays idle — no token scheduled — while such a
+        request waits, nothing frees a block again: a scheduler deadlock,
+        named as vLLM's (invariant "vLLM resumes a finished load").
+        """
+        sched = self.rig.scheduler
+        recv_done = getattr(sched, "finished_recving_kv_req_ids", ())
+        history = self.rig.driver.history
+        idle = not (history and history[-1].scheduled)
+        ended = []
         for rid, r in self.reqs.items():
             if r.status.name == "FINISHED_ERROR" and rid not in self.reported:
                 self.fail("failed load reported, only that request failed",
@@ -975,7 +1014,15 @@ class Explorer:
                 self.fail("failed load reported, only that request failed",
                           f"request {rid} ended FINISHED_ERROR under "
                           "kv_load_failure_policy=recompute (it must be recomputed)")
-            if r.status.name == "WAITING_FOR_REMOTE_KVS":
+            if r.status.name != "WAITING_FOR_REMOTE_KVS" or rid not in recv_done:
+                self.resume_wait.pop(rid, None)
+            if r.status.name == "WAITING_FOR_REMOTE_KVS" and rid in recv_done:
+                # the receive ended: vLLM's scheduler resumes the request
+                self.resume_wait[rid] = self.resume_wait.get(rid, 0) + 1
+                self.stats.max_resume_wait = max(self.stats.max_resume_wait,
+                                                 self.resume_wait[rid])
+                ended.append(rid)
+            elif r.status.name == "WAITING_FOR_REMOTE_KVS":
                 self.wait_steps[rid] = self.wait_steps.get(rid, 0) + 1
                 if self.wait_steps[rid] > MAX_LOAD_STEPS + self.delay_total:
                     cycles = self.fail_cycles.get(rid, 0)
@@ -1000,6 +1047,40 @@ class Explorer:
                               "reports its load finished (finished_recving) — a "
                               "failed or faulted transfer must still end, reported "
                               "through get_block_ids_with_load_errors")
+        self.idle_steps = self.idle_steps + 1 if ended and idle else 0
+        if self.idle_steps > MAX_LOAD_STEPS + self.delay_total:
+            self._fail_stranded(ended)
+
+    def _fail_stranded(self, ended: list[str]) -> None:
+        """Fail "vLLM resumes a finished load": ``ended`` wait, the engine idles."""
+        sched = self.rig.scheduler
+        kvm = sched.kv_cache_manager
+
+        def held(rid: str) -> int:
+            try:
+                return len(kvm.get_block_ids(rid)[0])
+            except Exception:  # noqa: BLE001 - a request holding none
+                return 0
+
+        queue = [q for name in ("kv_holding_waiting", "skipped_waiting", "waiting")
+                 for q in getattr(sched, name, ()) or ()]
+        order = ", ".join(
+            f"{q.request_id} ({q.status.name}, {q.num_tokens} tokens, holds "
+            f"{held(q.request_id)} blocks)" for q in queue) or "(none)"
+        self.fail(
+            "vLLM resumes a finished load",
+            f"the engine scheduled nothing for {self.idle_steps} steps while "
+            f"{', '.join(ended)} waited for remote KV although the connector had "
+            "reported its receive finished (finished_recving; vLLM holds it in "
+            "Scheduler.finished_recving_kv_req_ids): vLLM's scheduler resumes such "
+            "a request only when its waiting-queue walk reaches it "
+            "(_try_promote_blocked_waiting_request), and the walk stops at the "
+            "first request it cannot allocate. Waiting, in vLLM's queue order: "
+            f"{order}; {kvm.block_pool.get_num_free_blocks()} blocks free, nothing "
+            "runs, so no block is ever freed: a scheduler deadlock, not the "
+            "connector's (vLLM 0.26-0.28 keep a finished asynchronous load in "
+            "skipped_waiting behind a request holding no block; 0.33 drains "
+            "kv_holding_waiting first)")
 
 
 # ------------------------------------------------------------------ state machine
@@ -1146,14 +1227,17 @@ CANONICAL_FAULTS = ("lose", "tear", "corrupt", "fail")
 def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> int:
     """The fixed sequences a family explores before the drawn ones.
 
-    A drawn sequence finds a fault only when its fault strikes an entry that
-    is then loaded, which some seeds never do within the example budget; these
-    make each fault kind of :data:`CANONICAL_FAULTS` the rig can make strike a
-    matched, not yet loaded entry once, under ``recompute``:
-    ``warm([(2, 2)])`` (two chunks and two tokens: a hit under every hit rule
-    the built-in profiles give, ExampleConnector's misses ``len = k * B + 1``),
-    ``fault(kind, "matched")``, a replay of that prompt, ``finish()``.
-    Families without faults have none.
+    A drawn sequence reaches some states only on some seeds; these reach them
+    every run:
+
+    * family ``faults``: each fault kind of :data:`CANONICAL_FAULTS` the rig
+      can make strikes a matched, not yet loaded entry once, under
+      ``recompute``: ``warm([(2, 2)])`` (two chunks and two tokens: a hit under
+      every hit rule the built-in profiles give, ExampleConnector's misses
+      ``len = k * B + 1``), ``fault(kind, "matched")``, a replay of that
+      prompt, ``finish()``;
+    * family ``preemption``: an asynchronous load admitted behind a request
+      that holds no block, in the family's small pool (:func:`_stranded_load`).
 
     Returns:
         how many sequences ran.
@@ -1163,9 +1247,18 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
             minimal replay).
 
     """
-    if not family.faults:
-        return 0
     ran = 0
+    if family.preemption:
+        ex = new_explorer("recompute")
+        try:
+            ex.stats.examples += 1
+            ran += 1
+            with contextlib.suppress(KnownDefectReached):
+                _stranded_load(ex)
+        finally:
+            ex.close()
+    if not family.faults:
+        return ran
     for kind in CANONICAL_FAULTS:
         ex = new_explorer("recompute")
         try:
@@ -1183,10 +1276,40 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
     return ran
 
 
+def _stranded_load(ex: Explorer) -> None:
+    """An ended asynchronous load queued behind a request that holds no block.
+
+    Two prompts of 2 and 3 chunks + B tokens are stored; then, before one
+    step: prompt 0 again (an asynchronous load of its chunks), a longer prompt
+    starting with prompt 0 (a connector that defers its lookup while those
+    chunks load — OffloadingConnector returns None, ``offloading/scheduler.py``
+    ``_lookup`` — leaves it queued with no block), and prompt 1 again (a second
+    asynchronous load, admitted behind it). Once both receives end, vLLM
+    0.26 / 0.28 resume the second only when their waiting-queue walk gets past
+    the longer prompt, which the preemption family's pool cannot hold while
+    that load holds its blocks: nothing runs and nothing is scheduled again
+    (upstream: vllm-project/vllm#57841). A connector that never defers, or a
+    vLLM that resumes block-holding requests first (0.33), finishes it.
+    """
+    b = BLOCK_SIZE
+    ex.warm([(2, b), (3, b)])
+    ex.add(0, 1, replay_of=0, max_tokens=1)
+    ex.add(3, b + 2, prefix_of=0, max_tokens=1)  # not k * B + 1: see example.toml
+    ex.add(0, 1, replay_of=1, max_tokens=1)
+    ex.finish()
+
+
+#: new_explorer -> (family, examples, steps) -> its hypothesis test, built once
+#: for the many seeds one factory explores (``selftests/contract/seed_sweep.py``)
+_TESTS: weakref.WeakKeyDictionary[Callable[[str], Explorer],
+                                  dict[tuple[str, int, int], Any]] = (
+    weakref.WeakKeyDictionary())
+
+
 def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
             examples: int = DEFAULT_EXAMPLES, seed: int = 0,
             stats: Stats | None = None,
-            steps: int = STEPS_PER_EXAMPLE) -> Stats:
+            steps: int = STEPS_PER_EXAMPLE, canonical: bool = True) -> Stats:
     """Run ``examples`` event sequences of ``family``; raise on the first failure.
 
     The family's fixed sequences (:func:`run_canonical`) run first. Seeded by
@@ -1201,6 +1324,8 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
         stats: counters to fill (the same object ``new_explorer`` gives its
             explorers); a new one when None.
         steps: rules per sequence at most (``stateful_step_count``).
+        canonical: run the family's fixed sequences first (they draw nothing
+            from ``seed``: once per family is enough).
 
     Returns:
         the filled :class:`Stats` (``seconds`` = wall time of the exploration).
@@ -1213,7 +1338,6 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
     from hypothesis.stateful import run_state_machine_as_test
 
     stats = stats or Stats()
-    machine = make_machine(new_explorer, family)
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
                  database=None, derandomize=False, print_blob=False,
                  phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -1225,11 +1349,18 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
     t0 = time.perf_counter()
     try:
         with _distributed_held():
-            run_canonical(new_explorer, family)
+            if canonical:
+                run_canonical(new_explorer, family)
             if get_state_machine_test is not None:
-                test = get_state_machine_test(
-                    machine, settings=s, _min_steps=0,
-                    _flaky_state={"selecting_rule": False})
+                # one test per factory and budget: hypothesis parses this
+                # module to build one (function_digest), ~0.2 s of CPU
+                tests = _TESTS.setdefault(new_explorer, {})
+                key = (family.name, examples, steps)
+                if key not in tests:
+                    tests[key] = get_state_machine_test(
+                        make_machine(new_explorer, family), settings=s,
+                        _min_steps=0, _flaky_state={"selecting_rule": False})
+                test = tests[key]
                 test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
                 try:
                     test()
@@ -1250,8 +1381,8 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                             "failures:\n" + "\n".join(parts)) from exc
                     raise
             else:  # pragma: no cover
-                run_state_machine_as_test(machine, settings=settings(
-                    s, derandomize=True))
+                run_state_machine_as_test(make_machine(new_explorer, family),
+                                          settings=settings(s, derandomize=True))
     finally:
         stats.seconds += time.perf_counter() - t0
     return stats
@@ -1331,6 +1462,90 @@ def _hold_distributed() -> None:
         _HOLD["held"] = True
 
 
+def premises_missing(stats: Stats, family: Family) -> list[str]:
+    """The premise events no sequence of ``stats`` has produced yet.
+
+    A green from sequences that never hit or loaded proves nothing: a hit that
+    loaded, aborts of a waiting and of a running request, a shared prefix,
+    twins, a restart, and the family's preemption, tenant request or fault.
+    """
+    return [name for name, ok in (
+        ("hit that loaded", stats.hits > 0 and stats.loads > 0),
+        ("abort of a waiting request", stats.aborts.get("WAITING")),
+        ("abort of a running request", stats.aborts.get("RUNNING")),
+        ("shared prefix", stats.shared_prefix), ("twins", stats.twins),
+        ("restart", stats.restarts),
+        ("preemption", stats.preemptions > 0 or not family.preemption),
+        ("tenant request", stats.tenant_requests > 0 or not family.tenants),
+        ("fault", stats.faults or not family.faults)) if not ok]
+
+
+def selector(profile: Any) -> str:
+    """What ``--tvc-profile`` takes to load ``profile`` again (replay scripts).
+
+    A built-in's name, else its file's path.
+    """
+    from tvc.config.profile import BUILTIN_DIR
+
+    builtin = Path(profile.source).resolve() == (
+        BUILTIN_DIR / f"{profile.name}.toml").resolve()
+    return str(profile.name if builtin else profile.source)
+
+
+def explorer_factory(profile: Any, scratch: Path, family: Family, *,
+                     stats: Stats, known: Sequence[tuple[str, str]] = (),
+                     label: str | None = None,
+                     on_rig: Callable[[Any], None] | None = None,
+                     rig_defaults: Mapping[str, Any] | None = None
+                     ) -> Callable[[str], Explorer]:
+    """``policy -> Explorer`` for one family of a profile.
+
+    What the exploration test, :func:`replay_explorer` and the seed sweep
+    (``selftests/contract/seed_sweep.py``) run: rigs from
+    :func:`tvc.contract.make_rig` (the connector's real worker where
+    ``connector.worker_devices`` lists ``cpu``), the profile's chunk at
+    :data:`BLOCK_SIZE`, its store fault injector for family ``faults``.
+
+    Args:
+        profile: the loaded :class:`tvc.config.profile.Profile`.
+        scratch: a suite-owned folder for the rigs.
+        family: the :class:`Family`.
+        stats: counters every explorer fills.
+        known: ``(regex, reason)`` of the profile's known defects for the test.
+        label: names the profile in replay scripts (default :func:`selector`).
+        on_rig: called with every rig built (e.g. to keep its coverage log).
+        rig_defaults: :func:`tvc.contract.make_rig` keywords for every rig
+            (the ``contract_rig_defaults`` fixture: ``device``, where the
+            worker runs, and ``on_no_worker``); default: CPU.
+
+    Returns:
+        the factory :func:`explore` takes.
+
+    """
+    from tvc.contract import make_rig
+    from tvc.contract.faults import fault_injector_for
+    from tvc.contract.scenarios import chunk_tokens
+
+    defaults = dict(rig_defaults or {})
+    real = defaults.get("device", "cpu") in profile["connector"]["worker_devices"]
+    chunk = chunk_tokens(profile, BLOCK_SIZE)
+    name = label if label is not None else selector(profile)
+
+    def rig(**kw: Any) -> Any:
+        r = make_rig(profile, scratch, real_worker=real, **{**defaults, **kw})
+        if on_rig is not None:
+            on_rig(r)
+        return r
+
+    def new_explorer(policy: str) -> Explorer:
+        return Explorer(
+            rig, chunk, family, policy, profile.kv_transfer_config(),
+            (lambda r: fault_injector_for(profile, r)) if family.faults else None,
+            stats=stats, label=name, scratch=profile.scratch, known=known)
+
+    return new_explorer
+
+
 def replay_explorer(profile: str, family: str = "core",
                     policy: str = "recompute") -> Explorer:
     """An :class:`Explorer` outside pytest, for a failure's replay script.
@@ -1347,15 +1562,7 @@ def replay_explorer(profile: str, family: str = "core",
     import tempfile
 
     from tvc.config.profile import load
-    from tvc.contract import make_rig
-    from tvc.contract.faults import fault_injector_for
-    from tvc.contract.scenarios import chunk_tokens
 
-    prof = load(profile)
     scratch = Path(tempfile.mkdtemp(prefix="tvc-explore-"))
-    fam = FAMILIES[family]
-    return Explorer(lambda **kw: make_rig(prof, scratch, **kw),
-                    chunk_tokens(prof, BLOCK_SIZE), fam, policy,
-                    prof.kv_transfer_config(),
-                    (lambda rig: fault_injector_for(prof, rig)) if fam.faults
-                    else None, label=profile, scratch=prof.scratch)
+    return explorer_factory(load(profile), scratch, FAMILIES[family],
+                            stats=Stats(), label=profile)(policy)

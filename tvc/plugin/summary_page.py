@@ -520,9 +520,10 @@ def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
 
 
 COVERAGE_TITLE = "Connector API and KV-setting coverage"
-EXPLORATION_HEAD = ["family", "outcome", "worker", "sequences", "steps", "requests",
-                    "hits", "loads", "aborts", "preemptions", "restarts", "faults",
-                    "failed loads reported", "known-defect stops", "seconds"]
+EXPLORATION_HEAD = ["family", "outcome", "worker", "sequences", "seeds", "steps",
+                    "requests", "hits", "loads", "aborts", "preemptions", "restarts",
+                    "faults", "failed loads reported", "known-defect stops",
+                    "seconds"]
 
 
 def _counted(d: Any) -> str:
@@ -542,7 +543,8 @@ def exploration_rows(s: Mapping[str, Any]) -> list[list[str]]:
     Returns:
         rows of strings in :data:`EXPLORATION_HEAD` order; ``worker`` is the
         test's ``worker`` property (``stand-in: ...``: no KV bytes moved) or
-        ``real``.
+        ``real``; ``sequences`` counts the fixed and the drawn ones, ``seeds``
+        the hypothesis seed of each round (the run's seed, then + 1 ...).
 
     """
     rows = []
@@ -555,7 +557,9 @@ def exploration_rows(s: Mapping[str, Any]) -> list[list[str]]:
         family = nodeid.rpartition("[")[2].rstrip("]") if "[" in nodeid else nodeid
         rows.append([
             family, str(t.get("outcome", "")), str(props.get("worker") or "real"),
-            str(st.get("examples", 0)), str(st.get("steps", 0)),
+            str(st.get("examples", 0)),
+            ", ".join(str(x) for x in st.get("seeds") or ()) or "-",
+            str(st.get("steps", 0)),
             str(st.get("requests", 0)), str(st.get("hits", 0)),
             str(st.get("loads", 0)), _counted(st.get("aborts")),
             str(st.get("preemptions", 0)), str(st.get("restarts", 0)),

@@ -399,13 +399,19 @@ class StoreSection(Section):
                            "machine", "bytes of the pool the real_nvme tier builds")
     options: dict[str, Any] = Field({}, description="keyword arguments passed to the "
                                     "factory")
-    test_devices: list[str] = Field([], description="paths outside scratch the store "
-                                    "may write (test devices)")
+    test_devices: list[str] = Field([], description="device nodes, or folders the "
+                                    "suite creates (new, or marked by an earlier "
+                                    "run), where stores outside scratch may write")
 
     @field_validator("path")
     @classmethod
     def _path(cls, path: str, info: ValidationInfo) -> str:
         return str(checks.owned_dir(path)) if _final(info) and path else path
+
+    @field_validator("test_devices")
+    @classmethod
+    def _devices(cls, devices: list[str], info: ValidationInfo) -> list[str]:
+        return checks.check_test_devices(devices) if _final(info) else devices
 
 
 class BandwidthSection(Section):
@@ -586,9 +592,11 @@ class ProfileModel(Section):
     @model_validator(mode="after")
     def _store_paths(self, info: ValidationInfo) -> ProfileModel:
         if _final(info):
-            checks.check_store_paths(self.connector.extra_config,
-                                     Path(info.context["scratch"]),  # type: ignore[index]
-                                     self.store.test_devices)
+            # resolved once: what the suite checked is what the connector gets
+            self.connector.extra_config = checks.resolve_store_paths(
+                self.connector.extra_config,
+                Path(info.context["scratch"]),  # type: ignore[index]
+                self.store.test_devices)
         return self
 
 

@@ -452,7 +452,10 @@ def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]
         raise Refusal(f"{shorten(value)} contains a NUL byte")
     text = value
     if form == "url":
-        parts = urlsplit(value)
+        try:
+            parts = urlsplit(value)
+        except ValueError as exc:  # "file://[::1/x": Invalid IPv6 URL
+            raise Refusal(f"{shorten(value)} is not a file URL ({exc})") from None
         if parts.netloc not in ("", "localhost"):
             raise Refusal(f"{shorten(value)} is a file URL of host {parts.netloc!r}; "
                           "the suite checks local paths only: write file:///abs/path "

@@ -530,7 +530,7 @@ def _load(selector: str | None, env: Mapping[str, str], state: dict[str, Any],
 
     name = _interp(path, "profile.name", data["profile"]["name"], env, {})
     _validate(schema.ProfileSection, {"name": name}, {"final": True},
-              lambda _loc: path, ("profile",))
+              lambda *_locs: path, ("profile",))
     data["profile"]["name"] = name
     scratch = _scratch_dir(path, data.get("scratch", {}).get("dir", ""), name, env)
     builtins = {"SCRATCH": str(scratch)}
@@ -555,8 +555,7 @@ def _load(selector: str | None, env: Mapping[str, str], state: dict[str, Any],
     model = _validate(schema.ProfileModel, data, {
         "final": True, "scratch": str(scratch),
         "budget": lambda where: budget.check(path, where)},
-        lambda loc: origin.get(loc[:2], known_file if loc[:1] == ("known_failures",)
-                               else path))
+        _blame(origin, [file for file, _ in layers], path, known_file))
     return Profile(name=name, source=path, data=model.model_dump(), scratch=scratch,
                    chain=tuple(file for file, _ in layers),
                    parent_defects=parent_defects)
@@ -573,7 +572,8 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
         context: ``{"final": False}`` for one file of a chain (keys and types
             only; missing keys are left to the merged profile), ``{"final": True,
             "scratch": ..., "budget": ...}`` for the merged, interpolated profile.
-        file_of: the error's location -> the file that set the key.
+        file_of: the error's locations (where pydantic saw it, and the key a
+            refusal names) -> the file to name (:func:`_blame`).
         prefix: where ``data`` sits in a profile, e.g. ``("profile",)``.
 
     Returns:
@@ -593,8 +593,30 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
                 return None
         loc = (*prefix, *errors[0]["loc"])
         full = {prefix[0]: data} if prefix else data
-        raise ProfileError(f"{file_of(loc)}: {_describe(errors[0], loc, full)}"
+        named = str(getattr((errors[0].get("ctx") or {}).get("error"), "key", ""))
+        locs = [loc] + ([tuple(re.sub(r"\[.*", "", part) for part in
+                               named.split(".")[:2])] if named else [])
+        raise ProfileError(f"{file_of(*locs)}: {_describe(errors[0], loc, full)}"
                            ) from None
+
+
+def _blame(origin: Mapping[tuple[str, str], Path], chain: list[Path], top: Path,
+           known_file: Path) -> Any:
+    """``file_of`` of the merged profile: the file to name in an error.
+
+    Of the files that set the keys an error concerns, the most derived one: a
+    user's file that replaced a built-in's ``extra_config`` is named, not the
+    built-in whose required keys it lacks.
+    """
+    order = {file: i for i, file in enumerate(chain)}
+
+    def file_of(*locs: tuple[Any, ...]) -> Path:
+        files = [origin.get(tuple(loc[:2]), known_file  # type: ignore[call-overload]
+                            if loc[:1] == ("known_failures",) else top)
+                 for loc in locs]
+        return min(files, key=lambda f: order.get(f, 0))
+
+    return file_of
 
 
 def _walk(loc: tuple[Any, ...], data: Any) -> tuple[str, str, Any, Any, Any, int]:
@@ -708,7 +730,7 @@ def _read_chain(path: Path, budget: _Budget) -> list[tuple[Path, dict[str, Any]]
         seen.append(real)
         raw = _read_toml(current, budget)
         _validate(schema.ProfileModel, raw, {"final": False},
-                  lambda _loc, file=current: file)
+                  lambda *_locs, file=current: file)
         layers.append((current, raw))
         budget.check(current, "reading")
         parent = raw.get("profile", {}).get("extends", "")

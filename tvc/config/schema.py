@@ -211,9 +211,10 @@ class ConnectorSection(Section):
                 raise Refusal(f"{shorten(key)} is not a key or dotted path")
             extra = info.data.get("extra_config", {})
             if not checks.get_extra_config_key(extra, key)[0]:
-                raise Refusal(f"{shorten(key)} is not in the profile's own "
-                              "connector.extra_config (a required key the profile "
-                              "does not set cannot be checked)")
+                raise Refusal(f"{shorten(key)} is missing, and "
+                              "connector.required_extra_config_keys names it (a "
+                              "required key the profile does not set cannot be "
+                              "checked)", "connector.extra_config")
         return keys
 
     @field_validator("kv_transfer")

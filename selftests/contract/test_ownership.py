@@ -260,6 +260,24 @@ def test_every_store_path_form_is_resolved_once_and_checked(
     assert list(cwd.iterdir()) == [], "a folder was made in the working folder"
 
 
+def test_the_daemon_log_the_suite_appends_to_is_resolved_in_scratch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scratch = tmp_path / "scratch"
+    for value, want in [("daemon.log", scratch / "daemon.log"),
+                        ("${SCRATCH}/d/x.log", scratch / "d" / "x.log"),
+                        ("~/daemon.log", None), ("/etc/passwd", None),
+                        ("../daemon.log", None)]:
+        path = _profile(tmp_path, f'[scratch]\ndir = "{scratch}"\n[daemon]\n'
+                        f'log_file = "{value}"\n')
+        if want is None:
+            with pytest.raises(ProfileError, match=r"key daemon\.log_file: .*"
+                               "outside the scratch directory"):
+                load(str(path), env={})
+        else:
+            assert load(str(path), env={})["daemon"]["log_file"] == str(want)
+
+
 def test_a_relative_store_path_never_writes_into_the_checkout(tmp_path: Path
                                                               ) -> None:
     """``shared_storage_path = "kvstore"``: once, ExampleConnector wrote 176 files

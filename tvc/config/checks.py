@@ -581,6 +581,27 @@ def resolve_store_paths(extra: Mapping[str, Any], scratch: Path,
     return walk(where, extra)
 
 
+def scratch_file(value: str, scratch: Path) -> str:
+    """A file the suite itself writes (``[daemon] log_file``), resolved in scratch.
+
+    Resolved as a store path (:func:`resolve_store_path`; relative is relative to
+    scratch) and refused outside the scratch directory: the suite appends to it.
+
+    Returns:
+        the absolute path.
+
+    Raises:
+        Refusal: as :func:`resolve_store_path`, or outside scratch.
+
+    """
+    path, _ = resolve_store_path(value, store_path_form("path", value), scratch)
+    if store_location_problem(path, scratch, []):
+        raise Refusal(f"{shorten(value)} (= {shorten(str(path), 60)}) is outside the "
+                      f"scratch directory {shorten(str(scratch), 60)}; the suite "
+                      "writes this file: put it in scratch (${SCRATCH}/x, or x)")
+    return str(path)
+
+
 def check_test_devices(devices: list[str]) -> list[str]:
     """``[store] test_devices``: device nodes, or folders the suite owns by creation.
 

@@ -369,9 +369,17 @@ class DaemonSection(Section):
     argv: list[str] = Field([], description="daemon command line, as a list")
     env: dict[str, Any] = Field({}, description="extra environment for the daemon")
     cwd: str = Field("", description="daemon working directory")
-    log_file: str = Field("", description="daemon log file")
+    log_file: str = Field("", description="daemon log file, in scratch (relative: "
+                          "to scratch)")
     device_globs: list[str] = Field([], description="device nodes the daemon brings "
                                     "up")
+
+    @field_validator("log_file")
+    @classmethod
+    def _log_file(cls, value: str, info: ValidationInfo) -> str:
+        if not (_final(info) and value):
+            return value
+        return checks.scratch_file(value, Path(info.context["scratch"]))  # type: ignore[index]
     mount_globs: list[str] = Field([], description="mount points that must be "
                                    "non-empty")
     start_timeout_s: float = bounded(60.0, 3600.0, "seconds in an hour",

@@ -20,9 +20,11 @@ interpreter exit outside pytest. Folders left by a killed run (their process is 
 are removed when the next session opens its own.
 
 Nothing here names a connector or a profile: the rule is "paths under the suite's
-scratch are the suite's; each session gets its own". A store outside the scratch
-directory (a daemon's device, a mount) is left as the profile says; the contract
-tier's per-run nonce keeps its prompts unknown to such a store.
+scratch are the suite's; each session gets its own". A store in a folder of the
+profile's ``[store] test_devices`` (the only other place the load allows, see
+:func:`tvc.config.checks.resolve_store_paths`) gets its own session folder in that
+folder the same way; a device node is left as the profile says, and the contract
+tier's per-run nonce keeps its prompts unknown to it.
 
 Ownership: the suite deletes only folders it made. Every folder made here holds an
 ownership marker (:data:`OWNER_MARKER`, JSON with the suite's name, the creating
@@ -30,7 +32,8 @@ process id and the folder's id) written right after ``mkdir``; a folder is remov
 only when its marker is present and names this session (end of session) or a dead
 process with the folder's own ``<pid>-<id>`` (a killed run). A
 ``run-stores/<pid>-<id>/`` folder someone else made, or a marker copied elsewhere, is
-left alone.
+left alone, and so is a session folder another program wrote in (marked ``kept``,
+:func:`note_foreign_writer`).
 :func:`make_owned_dir`, :func:`owner_of` and :func:`remove_owned_dir` are the same
 rule for other suite-made folders (the store pool uses them).
 """
@@ -333,7 +336,8 @@ def remove_orphaned_stores(scratch: Path) -> list[Path]:
 
     A folder goes only when the suite's marker in it names that same pid and id
     and the process no longer runs; anything else (no marker, another pid, a live
-    process, a symlink) is left alone.
+    process, a symlink, a folder kept because another program wrote in it) is
+    left alone.
 
     Args:
         scratch: the profile's scratch directory.
@@ -469,6 +473,11 @@ def _keep(root: Path, file: Path) -> None:
 
 def remove_session_stores(scratch: Path | None = None) -> list[Path]:
     """Remove the store folders this process made (end of the session).
+
+    A folder another program wrote in is kept instead, marked ``kept`` and named
+    in one line on stderr: one the fault injector saw written by another
+    (:func:`note_foreign_writer`), or one whose files still change over a settle
+    time (:func:`settle_s`) now that the session's connectors are stopped.
 
     Args:
         scratch: only the folder under this scratch directory; None = all.

@@ -43,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from selftests.conftest import SUITE_ENV_VARS  # noqa: E402
-from selftests.contract.test_ownership import WRITER, LiveWriter  # noqa: E402
 from selftests.foundation.synthetic import write_tests  # noqa: E402
 
 COUNTS: Counter[str] = Counter()
@@ -113,6 +112,7 @@ def _same(path: Path, data: bytes) -> bool:
 
 def empty_folders(tmp: Path) -> None:
     """An empty folder with a live writer, named under every ownership key."""
+    from selftests.contract.test_ownership import LiveWriter
     from tvc.config.profile import ProfileError, claim_owned_paths, load
 
     empty = tmp / "empty"
@@ -174,6 +174,8 @@ def path_forms(tmp: Path) -> None:
 
 
 def _writer(tmp: Path, inside: bool, body: object) -> None:
+    from selftests.contract.test_ownership import WRITER
+
     theirs, scratch = tmp / "theirs", tmp / "scratch"
     theirs.mkdir()
     stop, manifest = tmp / "stop", tmp / "manifest.json"
@@ -230,6 +232,7 @@ def relative_store(tmp: Path) -> None:
 
 def exploration(tmp: Path) -> None:
     """The exploration's store fault with a live writer in its store folder."""
+    from selftests.contract.test_ownership import LiveWriter
     from tvc.config.profile import claim_owned_paths, load
     from tvc.contract import explore as E
     from tvc.contract import make_rig
@@ -343,6 +346,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true",
                     help="leave out the contract-tier subprocess runs")
+    ap.add_argument("--cases", default="",
+                    help="comma-separated case names to run (default: all)")
     a = ap.parse_args()
     cases = [("empty folders", empty_folders), ("path forms", path_forms),
              ("report paths", report_paths), ("tvc summary", summaries),
@@ -351,6 +356,8 @@ def main() -> int:
         cases += [("store faults, writer inside", lambda t: store_faults(t, True)),
                   ("store faults, writer beside", lambda t: store_faults(t, False)),
                   ("relative store path", relative_store)]
+    if a.cases:
+        cases = [c for c in cases if c[0] in a.cases.split(",")]
     t0 = time.monotonic()
     for r in range(a.rounds):
         for name, case in cases:

@@ -351,6 +351,29 @@ def test_search_log_is_time_bounded() -> None:
         search_log("(", "text")
 
 
+def test_search_log_limits_cpu_time_not_wall_time(monkeypatch: pytest.MonkeyPatch
+                                                  ) -> None:
+    """On a loaded box a harmless search may get no CPU for its whole wall-clock
+    allowance; that is no backtracking pattern. A fake search stands for it: its
+    first try sleeps through the ``regex`` timeout (wall time, no CPU), the retry
+    finds the line. A wall-clock limit failed it; a CPU-time limit does not."""
+    import regex
+
+    tries: list[float] = []
+
+    class Starved:
+        def search(self, text: str, timeout: float) -> object | None:
+            tries.append(timeout)
+            if len(tries) == 1:
+                time.sleep(timeout)  # descheduled: the whole allowance, no CPU
+                raise TimeoutError
+            return object() if "Hit" in text else None
+
+    monkeypatch.setattr(regex, "compile", lambda pattern: Starved())
+    assert search_log("Hit", "External Cache Hit!\n", timeout_s=0.05)
+    assert len(tries) == 2 and tries[1] > tries[0], tries
+
+
 # ----------------------------------------------------------- property-based (hostile)
 
 HYPOTHESIS = settings(derandomize=True, database=None, deadline=None,

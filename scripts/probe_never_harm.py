@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reliability probe of issue 30 ("never harm, the last holes"); not part of CI.
+"""Reliability probe of the never-harm cases (ownership, paths, run folders); not CI.
 
 Runs this issue's cases, each ``--rounds`` times, and prints counts:
 

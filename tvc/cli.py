@@ -313,6 +313,7 @@ def summary_cmd(run_dir: str) -> int:
         run folder (one line naming the file and the key).
 
     """
+    from tvc.core.files import LinkInTheWay
     from tvc.plugin.report import RunFolderError, read_summary
 
     d = Path(run_dir)
@@ -321,20 +322,26 @@ def summary_cmd(run_dir: str) -> int:
     except RunFolderError as exc:
         _err("tvc summary", str(exc))
         return 2
-    if "fleet" in s:
-        from tvc.plugin.fleet import write_fleet_page
+    notes: list[str] = []
+    try:  # a page never written through a link, a folder that cannot be written
+        if "fleet" in s:
+            from tvc.plugin.fleet import write_fleet_page
 
-        files = write_fleet_page(d, s)
+            files = write_fleet_page(d.resolve(), s)
+        else:
+            from tvc.plugin.summary_page import write_page
+
+            files = write_page(d, notes)
+    except OSError as exc:
+        _err("tvc summary", f"{d}: summary page not written: "
+             f"{exc.strerror if isinstance(exc, LinkInTheWay) else exc}")
+        return 2
+    if "fleet" in s:
         word, why = s["fleet"].get("verdict", "NO DATA"), s["fleet"].get("why", "")
-        hosts = s["fleet"].get("hosts") or []
         print(f"{word}: {why}")
-        for h in hosts:
+        for h in s["fleet"].get("hosts") or []:
             print(f"  {h['label']}: {h['verdict']} ({h['why']})")
     else:
-        from tvc.plugin.summary_page import write_page
-
-        notes: list[str] = []
-        files = write_page(d, notes)
         from tvc.plugin.summary_page import verdict
 
         word, why = verdict(s)

@@ -69,7 +69,7 @@ dir = "{scratch}"
 def test_contract_tier_catches_known_bad_connector(cls, tmp_path) -> None:
     select, needle = CASES[cls]
     prof = tmp_path / f"bad-{cls}.toml"
-    prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
+    prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store",
                                    scratch=tmp_path / "scratch"))
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(

@@ -51,7 +51,7 @@ def _run(cls: str, select: str, tmp_path: Path, *extra: str
          ) -> tuple[subprocess.CompletedProcess, dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     prof = tmp_path / f"api-{cls}.toml"
-    prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
+    prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store",
                                    scratch=tmp_path / "scratch", rule=EXAMPLE_RULE))
     env = {k: v for k, v in os.environ.items()
            if k not in ("TVC_PROFILE", "TVC_REQUIRE", "PYTEST_ADDOPTS")}

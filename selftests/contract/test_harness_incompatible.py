@@ -100,7 +100,7 @@ def _run(tmp_path: Path, name: str, source: str):
     pkg.mkdir(exist_ok=True)
     (pkg / f"{name}.py").write_text(source)
     prof = tmp_path / "compat-selftest.toml"
-    prof.write_text(PROFILE.format(store=tmp_path / "store",
+    prof.write_text(PROFILE.format(store="${SCRATCH}/store",
                                    scratch=tmp_path / "scratch"))
     return run_suite(["suites/contract", "-m", "contract", "-k", SELECT,
                       f"--tvc-profile={prof}", "-p", name, "-rA"],

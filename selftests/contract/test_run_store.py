@@ -82,6 +82,32 @@ def test_session_folder_is_stable_then_removed(tmp_path: Path) -> None:
     assert not (scratch / rs.STORES_DIRNAME).exists()
 
 
+def test_test_device_and_file_url_stores_get_session_folders_too(tmp_path: Path
+                                                                  ) -> None:
+    """A store in a ``[store] test_devices`` folder (the only place outside scratch
+    the load allows) is this session's too, and so is a ``file://`` URL one."""
+    scratch, dev = tmp_path / "scratch", rs.claim_dir(tmp_path / "nvme")
+    ktc = {"kv_connector_extra_config": {
+        "root": f"{dev}/rank{{LOCAL_RANK}}", "local_disk": f"file://{scratch}/disk",
+        "node": "/dev/null"}}
+    try:
+        extra = rs.isolate_store_paths(ktc, scratch, devices=[str(dev),
+                                                              "/dev/null"])[
+            "kv_connector_extra_config"]
+        dev_root = rs._ROOTS[rs._norm(dev)]
+        assert dev_root.parent == dev / rs.STORES_DIRNAME
+        assert extra["root"] == f"{dev_root}/rank{{LOCAL_RANK}}"
+        assert extra["local_disk"] == (
+            f"file://{rs._ROOTS[rs._norm(scratch)]}/disk")
+        assert extra["node"] == "/dev/null"
+        assert rs.made_in_this_run(dev_root / "rank0") == dev_root
+        assert rs.made_in_this_run(dev) is None or rs.owner_of(dev)["run"] == (
+            rs.RUN_ID)
+    finally:
+        removed = rs.remove_session_stores()
+    assert dev_root in removed and not dev_root.exists() and dev.is_dir()
+
+
 def _suite_made(folder: Path, pid: int) -> Path:
     """A store folder as a session of process ``pid`` made it (marker included)."""
     rs.make_owned_dir(folder, folder.name.split("-", 1)[1])

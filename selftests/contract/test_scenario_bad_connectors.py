@@ -74,7 +74,7 @@ dir = "{scratch}"
 def _run(cls: str, select: str, extra: str, tmp_path: Path
          ) -> subprocess.CompletedProcess:
     prof = tmp_path / f"bad-{cls}.toml"
-    prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
+    prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store",
                                    scratch=tmp_path / "scratch", rule=EXAMPLE_RULE,
                                    extra=extra))
     env = {**os.environ,
@@ -122,7 +122,7 @@ def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
 
     prof = tmp_path / "control.toml"
     prof.write_text(PROFILE.format(
-        cls="ClampedExampleConnector", store=tmp_path / "store",
+        cls="ClampedExampleConnector", store="${SCRATCH}/store",
         scratch=tmp_path / "scratch", rule=EXAMPLE_RULE, extra="").replace(
             'module_path = "scenario_bad_connectors"',
             'module_path = "selftests.contract.scenario_bad_connectors"'))

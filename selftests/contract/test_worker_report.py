@@ -65,7 +65,7 @@ def _run(tmp_path: Path, cls: str, select: str, *, devices: str = '["cpu"]',
          report: str = "", rule: str = "(len - 1) // B * B",
          name: str = "run", env: str = "{}") -> object:
     prof = tmp_path / f"{name}.toml"
-    prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store", rule=rule,
+    prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store", rule=rule,
                                    devices=devices, report=report, env=env,
                                    scratch=tmp_path / "scratch"))
     env = {"PYTHONPATH": os.pathsep.join(
@@ -276,7 +276,7 @@ def test_declared_standin_reports_the_fault_wrappers_planned_load_failure(
     monkeypatch.syspath_prepend(str(HERE))
     prof = tmp_path / "p.toml"
     prof.write_text(PROFILE.format(cls="WorkerMetaResidencyConnector",
-                                   store=tmp_path / "store", rule="(len - 1) // B * B",
+                                   store="${SCRATCH}/store", rule="(len - 1) // B * B",
                                    devices='["cuda"]', report=STANDIN, env="{}",
                                    scratch=tmp_path / "scratch"))
     profile = load(str(prof))

@@ -269,25 +269,25 @@ REPRODUCERS: dict[str, Case] = {
     "store_in_a_folder_of_user_files": (
         lambda tmp: _user_folder(tmp) and HEAD + (
             f'extra_config = {{ shared_storage_path = "{tmp / "theirs"}" }}\n'),
-        ("key connector.extra_config.shared_storage_path", "did not create",
-         ".tvc-owned")),
+        ("key connector.extra_config.shared_storage_path",
+         "outside the scratch directory")),
     "templated_store_in_a_folder_of_user_files": (
         lambda tmp: _user_folder(tmp) and HEAD + (
             f'extra_config = {{ p = "{tmp / "theirs"}/rank{{LOCAL_RANK}}" }}\n'),
-        ("key connector.extra_config.p", "did not create", ".tvc-owned")),
+        ("key connector.extra_config.p", "outside the scratch directory")),
     # a store named as a file:// URL (LMCache's local_disk) is the same folder
     "store_url_in_a_folder_of_user_files": (
         lambda tmp: _user_folder(tmp) and HEAD + (
             f'extra_config = {{ local_disk = "file://{tmp / "theirs"}" }}\n'),
-        ("key connector.extra_config.local_disk", "did not create", ".tvc-owned")),
+        ("key connector.extra_config.local_disk", "outside the scratch directory")),
     "store_on_the_root": (HEAD + 'extra_config = { p = "/" }\n',
-                          ("key connector.extra_config.p", "the root directory")),
+                          ("key connector.extra_config.p", "outside the scratch")),
     "store_in_etc": (HEAD + 'extra_config = { p = "/etc/tvc-store" }\n',
-                     ("key connector.extra_config.p", "system directory")),
+                     ("key connector.extra_config.p", "outside the scratch")),
     "store_is_a_user_file": (
         lambda tmp: _user_folder(tmp) and HEAD + (
             f'extra_config = {{ p = "{tmp / "theirs" / "notes.txt"}" }}\n'),
-        ("key connector.extra_config.p", "an existing file")),
+        ("key connector.extra_config.p", "outside the scratch")),
     "scratch_in_a_folder_of_user_files": (
         lambda tmp: _user_folder(tmp) and HEAD + (
             f'[scratch]\ndir = "{tmp / "theirs"}"\n'),
@@ -349,6 +349,29 @@ def test_search_log_is_time_bounded() -> None:
     assert time.perf_counter() - t0 < LOAD_LIMIT_WALL_S  # stopped, not finished
     with pytest.raises(ProfileError, match="not a valid regular expression"):
         search_log("(", "text")
+
+
+def test_search_log_limits_cpu_time_not_wall_time(monkeypatch: pytest.MonkeyPatch
+                                                  ) -> None:
+    """On a loaded box a harmless search may get no CPU for its whole wall-clock
+    allowance; that is no backtracking pattern. A fake search stands for it: its
+    first try sleeps through the ``regex`` timeout (wall time, no CPU), the retry
+    finds the line. A wall-clock limit failed it; a CPU-time limit does not."""
+    import regex
+
+    tries: list[float] = []
+
+    class Starved:
+        def search(self, text: str, timeout: float) -> object | None:
+            tries.append(timeout)
+            if len(tries) == 1:
+                time.sleep(timeout)  # descheduled: the whole allowance, no CPU
+                raise TimeoutError
+            return object() if "Hit" in text else None
+
+    monkeypatch.setattr(regex, "compile", lambda pattern: Starved())
+    assert search_log("Hit", "External Cache Hit!\n", timeout_s=0.05)
+    assert len(tries) == 2 and tries[1] > tries[0], tries
 
 
 # ----------------------------------------------------------- property-based (hostile)
@@ -669,19 +692,20 @@ def test_an_accepted_pattern_searches_100000_char_lines_in_bounded_cpu(
 
 def test_a_home_or_relative_store_path_is_checked_like_an_absolute_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``~/...`` and ``./...`` name folders too: a folder of user files there is
-    refused, a new one is accepted (the suite creates and marks it)."""
+    """``~/...`` names a folder too, refused outside scratch; ``./...`` and a bare
+    name are relative to scratch (never the working folder), accepted there."""
     area = tmp_path / "area"  # the home folder itself is refused as a parent
     area.mkdir()
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(area)
     _user_folder(area)
-    for value in ("~/area/theirs", "./theirs"):
-        path = tmp_path / "p.toml"
-        path.write_text(HEAD + f'extra_config = {{ p = "{value}" }}\n')
-        err, seconds = _load_outcome(path)
-        _assert_clean(err, seconds, path)
-        assert err and "key connector.extra_config.p" in err and (
-            "did not create" in err), err
-        path.write_text(HEAD + f'extra_config = {{ p = "{value}-new" }}\n')
+    path = tmp_path / "p.toml"
+    path.write_text(HEAD + 'extra_config = { p = "~/area/theirs" }\n')
+    err, seconds = _load_outcome(path)
+    _assert_clean(err, seconds, path)
+    assert err and "key connector.extra_config.p" in err and (
+        "outside the scratch directory" in err), err
+    for value in ("./theirs", "theirs-new"):
+        path.write_text(HEAD + f'extra_config = {{ store_dir = "{value}" }}\n')
         assert _load_outcome(path)[0] is None
+    assert sorted(p.name for p in area.iterdir()) == ["theirs"]

@@ -449,10 +449,18 @@ def test_dotted_required_keys_are_paths_into_extra_config() -> None:
     bad = _profile(HEAD + 'extra_config = { store = { options = {} } }\n'
                    'required_extra_config_keys = ["store.options.num_chunks"]\n',
                    "dotted2.toml")
-    with pytest.raises(ProfileError, match=r"key connector\.required_extra_config_keys"
-                       r": 'store\.options\.num_chunks' is not in the profile's own "
-                       r"connector\.extra_config"):
+    with pytest.raises(ProfileError, match=r"key connector\.extra_config: "
+                       r"'store\.options\.num_chunks' is missing, and "
+                       r"connector\.required_extra_config_keys names it"):
         load(str(bad), env={})
+    # a user's file that replaces a built-in's extra_config is the one named, not
+    # the built-in whose required keys it lacks
+    user = _profile('[profile]\nname = "u"\nextends = "cpu-offload"\n[connector]\n'
+                    'extra_config = { other = 1 }\n', "user.toml")
+    with pytest.raises(ProfileError) as exc:
+        load(str(user), env={})
+    assert str(exc.value).startswith(f"{user}: key connector.extra_config: "
+                                     "'cpu_bytes_to_use' is missing"), exc.value
     for key in ("store..x", "", ".a"):
         path = _profile(HEAD + f'required_extra_config_keys = ["{key}"]\n', "d3.toml")
         with pytest.raises(ProfileError, match="is not a key or dotted path"):

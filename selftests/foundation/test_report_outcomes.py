@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tvc.plugin.report import RunReport, check_run_dir
+from tvc.plugin.report import RunReport
+from tvc.report.run_folder import check_run_dir
 
 
 def phase(nodeid: str, when: str, outcome: str) -> pytest.TestReport:

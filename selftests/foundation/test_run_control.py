@@ -427,3 +427,58 @@ def test_run_stopped_by_a_usage_error_leaves_no_empty_run_folder(tmp_path: Path
                     env={"PYTHONPATH": f"{plug}{os.pathsep}{REPO_ROOT}"})
     assert run.rc == 4 and "late plugin refuses" in run.stdout, run.tail()
     assert not (tmp_path / "r").exists()
+
+
+SLOW_CLEANUP = {"conftest.py": """
+    import os
+    import signal
+    import time
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tvc.store import run_store
+
+        _remove = run_store.remove_session_stores
+
+        def _slow(*args, **kwargs):
+            # a worker's clean-up that outlives execnet's 5 s grace (a loaded box):
+            # execnet then sends the worker a SIGINT of its own
+            time.sleep(float(os.environ.get("TVC_SELFTEST_CLEANUP_S", "0")))
+            handler = signal.getsignal(signal.SIGINT)
+            held = getattr(getattr(handler, "__self__", None), "count", None)
+            with open(os.environ["TVC_SELFTEST_HELD"], "a") as f:
+                f.write(f"{os.environ['PYTEST_XDIST_WORKER']} {held}\\n")
+            return _remove(*args, **kwargs)
+
+        run_store.remove_session_stores = _slow
+    """, "test_tiny.py": """
+    import pytest
+
+    pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_ok(i):
+        pass
+    """}
+EXECNET_GRACE_S = 5.0  # execnet's WorkerGateway._terminate_execution waits 5 s
+
+
+@needs_xdist
+@pytest.mark.parametrize("cleanup_s", [0.0, EXECNET_GRACE_S + 2],
+                         ids=["quick-cleanup", "slow-cleanup"])
+def test_an_xdist_run_without_a_signal_prints_no_sigint_line(
+        tmp_path: Path, cleanup_s: float) -> None:
+    """"tvc: SIGINT while finishing" came at the end of -n 2 runs nobody signalled:
+    execnet sends a worker still busy 5 s after the controller closed its gateway
+    a SIGINT of its own; the worker holds it silently, only the controller (where
+    a user's Ctrl-C arrives) speaks."""
+    held = tmp_path / "held.txt"
+    run = run_suite([*write_tests(tmp_path / "t", SLOW_CLEANUP), "-n", "2"],
+                    tmp_path / "r", env={"TVC_SELFTEST_CLEANUP_S": str(cleanup_s),
+                                         "TVC_SELFTEST_HELD": str(held)})
+    assert run.rc == 0 and run.summary is not None, run.tail()
+    assert run.summary["run"]["outcome"] == "passed"
+    assert "SIGINT" not in run.stdout and "Traceback" not in run.stdout, run.tail()
+    workers = dict(line.split() for line in held.read_text().splitlines())
+    assert sorted(workers) == ["gw0", "gw1"], workers  # both cleaned up
+    if cleanup_s > EXECNET_GRACE_S:  # the premise: execnet's SIGINT did arrive
+        assert set(workers.values()) == {"1"}, workers

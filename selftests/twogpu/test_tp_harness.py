@@ -37,7 +37,7 @@ dir = "{scratch}"
 
 def _run(tmp_path: Path, cls: str, select: str):
     prof = tmp_path / f"tp-{cls}.toml"
-    prof.write_text(PROFILE.format(cls=cls, store=tmp_path / "store",
+    prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store",
                                    scratch=tmp_path / "scratch"))
     return run_suite(
         ["suites/contract/test_tp.py", "-k", select, f"--tvc-profile={prof}", "-q",

@@ -9,6 +9,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -16,6 +17,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import regex
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -189,30 +191,33 @@ def _probe_texts(pattern: str) -> list[str]:
     return [run(u) for u in units]
 
 
-def _probe_cpu(compiled: Any, probe: str) -> tuple[bool, float]:
-    """Search ``probe``; stop once it used PATTERN_PROBE_TIMEOUT_S of CPU time.
+def search_cpu(compiled: Any, text: str, cpu_s: float, wall_s: float
+               ) -> tuple[bool, bool, float]:
+    """Search ``text``; stop once the search used ``cpu_s`` of CPU time.
 
     ``regex`` stops a search by wall-clock time; on a loaded box a search may get
     little CPU in that time, so a stopped search that used under half the CPU
-    allowance is run again with twice the wall time (at most
-    :data:`PATTERN_PROBE_WALL_S` in all).
+    allowance is run again with twice the wall time (at most ``wall_s`` in all).
+    The limit is so one of this thread's CPU time (``time.thread_time``), not of
+    how busy the box is.
 
     Returns:
-        ``(finished, CPU seconds used)``; not finished means it ran out of CPU.
+        ``(finished, found, CPU seconds used)``; not finished means it ran out of
+        CPU (or, on a box that gave it almost none, of ``wall_s``).
 
     """
-    used, wall, waited = 0.0, PATTERN_PROBE_TIMEOUT_S, 0.0
+    used, wall, waited = 0.0, max(cpu_s, 1e-3), 0.0
     while True:
         t0 = time.thread_time()
         try:
-            compiled.search(probe, timeout=wall)
-            return True, used + time.thread_time() - t0
+            found = compiled.search(text, timeout=wall) is not None
+            return True, found, used + time.thread_time() - t0
         except TimeoutError:
             used += time.thread_time() - t0
         waited += wall
-        if used >= PATTERN_PROBE_TIMEOUT_S / 2 or waited >= PATTERN_PROBE_WALL_S:
-            return False, used
-        wall = min(2 * wall, PATTERN_PROBE_WALL_S - waited)
+        if used >= cpu_s / 2 or waited >= wall_s:
+            return False, False, used
+        wall = min(2 * wall, wall_s - waited)
 
 
 def check_log_pattern(pattern: str) -> str:
@@ -248,7 +253,8 @@ def check_log_pattern(pattern: str) -> str:
     probes = _probe_texts(pattern)
     spent = 0.0
     for probe in probes:
-        done, used = _probe_cpu(compiled, probe)
+        done, _, used = search_cpu(compiled, probe, PATTERN_PROBE_TIMEOUT_S,
+                                   PATTERN_PROBE_WALL_S)
         spent += used
         if not done or used > PATTERN_PROBE_TIMEOUT_S:
             raise Refusal(
@@ -357,8 +363,8 @@ def owned_dir(value: str, raw: str | None = None) -> Path:
             target = ("" if str(candidate) == expanded
                       else f" resolves to {shorten(str(candidate))},")
             raise Refusal(f"{shown}{target} is {problem}; the suite writes and "
-                          "deletes there, so give it a new or empty directory (the "
-                          "suite marks it as its own)")
+                          "deletes there, so give a path that does not exist yet "
+                          "(the suite creates it and marks it as its own)")
     return norm
 
 
@@ -377,33 +383,108 @@ def strings_at(value: Any, where: str) -> list[tuple[str, str]]:
     return out
 
 
-def store_path_of(value: str) -> str | None:
-    """The filesystem path an ``extra_config`` string names, or None.
+# extra_config keys whose bare relative value ("kvstore", no "./") is a store path:
+# the key's last name ends in one of these words (shared_storage_path, cache_dir,
+# root, local_disk); any key's value starting with /, ~, ./, ../ or file: is one too
+_PATH_KEY = re.compile(r"(?:^|_)(?:paths?|dirs?|director(?:y|ies)|folders?|roots?|"
+                       r"disks?|locations?)$", re.IGNORECASE)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a scheme (file:, lm://, redis://)
+# character devices a connector may name that hold nothing (a null store)
+HARMLESS_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random",
+                    "/dev/urandom")
 
-    An absolute path; a ``file://`` URL (LMCache's ``local_disk``, for one); a
-    ``~`` path (the user's home, as the connector would expand it); a ``./`` or
-    ``../`` path (against the current folder). Other strings are not paths.
+
+def store_path_form(key: str, value: str) -> str:
+    """The path form of an ``extra_config`` string ('' when it names no path).
 
     Args:
-        value: a string of ``connector.extra_config``.
+        key: the dotted key (``connector.extra_config.shared_storage_path``).
+        value: its string.
 
     Returns:
-        the absolute path, or None.
+        ``"url"`` (``file:...``), ``"absolute"``, ``"home"`` (``~``, ``~/x``,
+        ``~user/x``), ``"relative"`` (``.``, ``..``, ``./x``, ``../x``, or a bare
+        name such as ``kvstore`` under a path-named key: ``*path``, ``*dir``,
+        ``*directory``, ``*folder``, ``*root``, ``*disk``, ``*location``, or their
+        plurals), or ''.
+
+    """
+    if not value:
+        return ""
+    if value[:5].lower() == "file:":
+        return "url"
+    if value.startswith("/"):
+        return "absolute"
+    if value.startswith("~"):
+        return "home"
+    if value in (".", "..") or value.startswith(("./", "../")):
+        return "relative"
+    leaf = re.sub(r"\[\d+\]$", "", key.rsplit(".", 1)[-1])
+    if _PATH_KEY.search(leaf) and not _URL.match(value) and value.strip():
+        return "relative"
+    return ""
+
+
+def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]:
+    """Resolve one store path once, as the suite and the connector will use it.
+
+    A ``file:`` URL is decoded (``file:///x``, ``file:/x``, ``file://localhost/x``);
+    ``~`` and ``~user`` are expanded; a relative path (``kvstore``, ``./kv``,
+    ``.``, ``..``) is taken relative to the scratch directory, as
+    ``${SCRATCH}/<value>`` (never the current folder, which changes between runs
+    and is often the checkout); ``.`` and ``..`` parts are folded.
+
+    Args:
+        value: the string as the profile holds it (interpolated).
+        form: :func:`store_path_form` of it.
+        scratch: the profile's scratch directory (absolute).
+
+    Returns:
+        ``(absolute normalised path, the string the connector receives)``: the
+        path itself, or ``file://<path>`` for a URL.
+
+    Raises:
+        Refusal: a NUL byte, a URL of another host, with a query, fragment or
+            %-escape, or not absolute; an unknown user; longer than a path can be.
 
     """
     if "\0" in value:
-        return None
-    if value.startswith("file://"):
-        value = value.removeprefix("file://")
-        value = value if value.startswith("/") else ""
-    elif value == "~" or value.startswith("~/"):
-        value = os.path.expanduser(value)
-    elif value.startswith(("./", "../")):
-        value = os.path.abspath(value)
-    return value if value.startswith("/") else None
+        raise Refusal(f"{shorten(value)} contains a NUL byte")
+    text = value
+    if form == "url":
+        try:
+            parts = urlsplit(value)
+        except ValueError as exc:  # "file://[::1/x": Invalid IPv6 URL
+            raise Refusal(f"{shorten(value)} is not a file URL ({exc})") from None
+        if parts.netloc not in ("", "localhost"):
+            raise Refusal(f"{shorten(value)} is a file URL of host {parts.netloc!r}; "
+                          "the suite checks local paths only: write file:///abs/path "
+                          "(three slashes)")
+        if parts.query or parts.fragment or "%" in parts.path or "?" in value \
+                or "#" in value:
+            raise Refusal(f"{shorten(value)}: a file URL with a query, fragment or "
+                          "%-escape is read differently by different connectors; "
+                          "write the plain path")
+        text = parts.path
+        if not text.startswith("/"):
+            raise Refusal(f"{shorten(value)} is not an absolute file URL (write "
+                          "file:///abs/path)")
+    elif form == "home":
+        text = os.path.expanduser(value)
+        if text.startswith("~"):
+            raise Refusal(f"cannot expand {shorten(value.split('/', 1)[0], 40)}: no "
+                          "such user")
+    elif form == "relative":
+        text = os.path.join(scratch, value)
+    norm = "/" + os.path.normpath(text).lstrip("/")
+    if len(norm) > MAX_PATH_CHARS or any(
+            len(part) > MAX_PATH_PART_CHARS for part in norm.split("/")):
+        raise Refusal(f"{shorten(value)} is longer than a path can be "
+                      f"({MAX_PATH_CHARS} characters, {MAX_PATH_PART_CHARS} per name)")
+    return Path(norm), (run_store.FILE_URL + norm if form == "url" else norm)
 
 
-def store_base(value: str) -> Path:
+def store_base(value: str | Path) -> Path:
     """The folder a store path names, up to a templated part (``rank{LOCAL_RANK}``)."""
     parts = Path(os.path.normpath(value)).parts
     for i, part in enumerate(parts):
@@ -412,58 +493,146 @@ def store_base(value: str) -> Path:
     return Path(*parts)
 
 
-def check_store_paths(extra: Mapping[str, Any], scratch: Path,
-                      test_devices: list[str]) -> None:
-    """Every path in ``extra_config`` outside scratch must be the suite's.
+def _inside(path: Path, area: Path) -> bool:
+    return path == area or path.is_relative_to(area)
 
-    A path is what :func:`store_path_of` finds: absolute, ``file://``, ``~`` or
-    ``./``.
 
-    The connector writes its store there and the contract tier's fault injection
-    deletes, truncates and bit-flips what it finds there, so such a folder must be
-    one the suite may own (:func:`tvc.store.run_store.ownership_problem`): it carries
-    the suite's marker, or is empty (adopted), or does not exist yet (the suite
-    creates and marks it, :func:`tvc.config.profile.claim_store_paths`; a templated
-    part such as ``rank{LOCAL_RANK}`` and what follows is the connector's). A device
-    node (``/dev/...``, a block or character device) or a path listed in ``[store]
-    test_devices`` is the store's device and allowed. Paths inside scratch are
-    moved per session (:mod:`tvc.store.run_store`) and need no check.
+def _realpath(path: Path) -> Path:
+    try:
+        return Path(os.path.realpath(path))
+    except (OSError, ValueError, RuntimeError):
+        return path
+
+
+def store_location_problem(path: Path, scratch: Path, devices: list[str]) -> str:
+    """Why a resolved store path may not be used ('' when it may).
+
+    Allowed: inside the scratch directory; equal to or inside a folder of
+    ``[store] test_devices``; a device node listed there; one of
+    :data:`HARMLESS_DEVICES`. The check holds for the path as written and with
+    its symbolic links followed (``${SCRATCH}/link`` to a user's folder is not
+    inside scratch).
+    """
+    if str(path) in HARMLESS_DEVICES:
+        return ""
+    base = store_base(path)
+    listed = [Path(d) for d in devices]
+    for candidate, areas in ((base, [scratch, *listed]),
+                             (_realpath(base), [_realpath(a) for a in
+                                                (scratch, *listed)])):
+        if not any(_inside(candidate, a) for a in areas):
+            shown = "" if candidate == path else f" (with its links followed: "\
+                f"{shorten(str(candidate))})"
+            return (f"is outside the scratch directory {shorten(str(scratch), 60)} "
+                    f"and [store] test_devices{shown}")
+    return ""
+
+
+def resolve_store_paths(extra: Mapping[str, Any], scratch: Path,
+                        devices: list[str], where: str = "connector.extra_config"
+                        ) -> Any:
+    """Resolve and check every store path of ``extra_config``; return the result.
+
+    Each string that names a path (:func:`store_path_form`) is resolved once
+    (:func:`resolve_store_path`) and must lie in the scratch directory or a
+    declared test device (:func:`store_location_problem`); the connector then
+    receives the resolved absolute path (a URL stays a ``file://`` URL of it), so
+    what the suite checked is what the connector writes. Paths inside scratch are
+    moved per session later (:mod:`tvc.store.run_store`).
+
+    Args:
+        extra: ``connector.extra_config`` (interpolated); not modified.
+        scratch: the profile's scratch directory (absolute, normalised).
+        devices: ``[store] test_devices`` as :func:`check_test_devices` returns
+            them.
+        where: the dotted key of ``extra``.
+
+    Returns:
+        a copy of ``extra`` with every store path resolved.
 
     Raises:
         Refusal: naming the ``connector.extra_config...`` key of the path.
 
     """
-    devices = {os.path.normpath(d) for d in test_devices}
-    for where, raw in strings_at(extra, "connector.extra_config"):
-        value = store_path_of(raw)
-        if value is None:
-            continue
-        norm = store_base(value)
-        if norm == scratch or norm.is_relative_to(scratch) or str(norm) in devices:
-            continue
-        shown = shorten(raw)
-        if len(value) > MAX_PATH_CHARS:
-            raise Refusal(f"{shown} is longer than a path can be ({MAX_PATH_CHARS} "
-                          "characters)", where)
+    def walk(key: str, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: walk(f"{key}.{k}", v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        if not isinstance(value, str):
+            return value
+        form = store_path_form(key, value)
+        if not form:
+            return value
         try:
-            mode = norm.stat().st_mode if norm.exists() else 0
-            if stat.S_ISBLK(mode) or stat.S_ISCHR(mode):
-                continue
-            existing = norm
-            while not existing.exists():
-                existing = existing.parent
-        except OSError as exc:
-            raise Refusal(f"{shown} cannot be checked "
-                          f"({exc.strerror or type(exc).__name__})", where) from None
-        problem = unsafe_dir_reason(existing)
-        if not problem and existing == norm:
-            problem = run_store.ownership_problem(norm)
+            path, given = resolve_store_path(value, form, scratch)
+        except Refusal as exc:
+            raise Refusal(str(exc), key) from None
+        problem = store_location_problem(path, scratch, devices)
         if problem:
+            resolved = "" if str(path) == value else f" (= {shorten(str(path), 60)})"
             raise Refusal(
-                f"store path {shown} outside the scratch directory is {problem}; the "
-                "suite's fault tests damage what is there: use ${SCRATCH}/..., a new "
-                "or empty folder (the suite marks it as its own) or list a device in "
-                "[store] test_devices", where)
+                f"store path {shorten(value, 60)}{resolved} {problem} (the fault "
+                "tests damage the store): put it in scratch (${SCRATCH}/x, or x: "
+                "relative is in scratch) or in a new folder declared in [store] "
+                "test_devices", key)
+        return given
+
+    return walk(where, extra)
+
+
+def scratch_file(value: str, scratch: Path) -> str:
+    """A file the suite itself writes (``[daemon] log_file``), resolved in scratch.
+
+    Resolved as a store path (:func:`resolve_store_path`; relative is relative to
+    scratch) and refused outside the scratch directory: the suite appends to it.
+
+    Returns:
+        the absolute path.
+
+    Raises:
+        Refusal: as :func:`resolve_store_path`, or outside scratch.
+
+    """
+    path, _ = resolve_store_path(value, store_path_form("path", value), scratch)
+    if store_location_problem(path, scratch, []):
+        raise Refusal(f"{shorten(value)} (= {shorten(str(path), 60)}) is outside the "
+                      f"scratch directory {shorten(str(scratch), 60)}; the suite "
+                      "writes this file: put it in scratch (${SCRATCH}/x, or x)")
+    return str(path)
+
+
+def check_test_devices(devices: list[str]) -> list[str]:
+    """``[store] test_devices``: device nodes, or folders the suite owns by creation.
+
+    A block or character device node is the operator's test device; a folder
+    must be one the suite may own (:func:`owned_dir`: not a system folder, not
+    the home folder or the checkout, and new -- the suite creates and marks it
+    at start-up -- or marked by an earlier run; an existing folder without the
+    marker, empty or not, is refused).
+
+    Returns:
+        the entries, absolute and normalised (``~`` expanded).
+
+    Raises:
+        Refusal: naming ``store.test_devices[i]``.
+
+    """
+    out = []
+    for i, raw in enumerate(devices):
+        where = f"store.test_devices[{i}]"
+        try:
+            expanded = os.path.expanduser(raw) if "\0" not in raw else raw
+            with contextlib.suppress(OSError, ValueError):
+                mode = os.stat(expanded).st_mode
+                if os.path.isabs(expanded) and (stat.S_ISBLK(mode)
+                                                or stat.S_ISCHR(mode)):
+                    out.append(os.path.normpath(expanded))
+                    continue
+            out.append(str(owned_dir(raw)))
+        except Refusal as exc:
+            raise Refusal(str(exc), where) from None
+    return out
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -46,10 +46,8 @@ from tvc.config.checks import (  # noqa: F401 - part of this module's API
     get_extra_config_key,
     key_name,
     owned_dir,
+    search_cpu,
     shorten,
-    store_base,
-    store_path_of,
-    strings_at,
     unsafe_dir_reason,
     why,
 )
@@ -148,25 +146,31 @@ def version_matches(version: str | None, specifier: str) -> bool:
         return False
 
 
+SEARCH_WALL_FACTOR = 30  # search_log may wait up to 30x its CPU limit for CPU
+
+
 def search_log(pattern: str, text: str, timeout_s: float = 1.0) -> bool:
-    """Search a server log for the profile's ``hit_log_pattern``, time-bounded.
+    """Search a server log for the profile's ``hit_log_pattern``, CPU-time-bounded.
 
     The pattern is searched in each line (a log message is one line), of which the
     first :data:`MAX_LOG_LINE_CHARS` characters are read: the length the pattern
     was probed with at load. Uses the ``regex`` package, whose search can be
-    stopped (``re``'s cannot).
+    stopped (``re``'s cannot); the limit is CPU time of this thread
+    (:func:`tvc.config.checks.search_cpu`), so a harmless pattern does not fail
+    on a loaded box.
 
     Args:
         pattern: ``connector.hit_log_pattern``.
         text: log text.
-        timeout_s: wall-clock seconds the whole search may take.
+        timeout_s: CPU seconds the whole search may use (it may wait up to
+            :data:`SEARCH_WALL_FACTOR` times as long for them).
 
     Returns:
         True when the pattern occurs in a line of ``text``.
 
     Raises:
-        ProfileError: the search took over ``timeout_s`` (the pattern backtracks on
-            this log), or the pattern does not compile.
+        ProfileError: the search used over ``timeout_s`` of CPU (the pattern
+            backtracks on this log), or the pattern does not compile.
 
     """
     try:
@@ -174,19 +178,22 @@ def search_log(pattern: str, text: str, timeout_s: float = 1.0) -> bool:
     except (regex.error, OverflowError, RecursionError, ValueError) as exc:
         raise ProfileError(f"key connector.hit_log_pattern: {shorten(pattern)} is not "
                            f"a valid regular expression: {exc}") from None
-    deadline = time.monotonic() + timeout_s
+    used = 0.0
+    wall_left = timeout_s * SEARCH_WALL_FACTOR
     for line in text.splitlines():
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            if compiled.search(line[:MAX_LOG_LINE_CHARS], timeout=left) is not None:
-                return True
-        except TimeoutError:
+        start = time.monotonic()
+        done, found, spent = search_cpu(compiled, line[:MAX_LOG_LINE_CHARS],
+                                        timeout_s - used, wall_left)
+        used += spent
+        wall_left -= time.monotonic() - start
+        if not done or used > timeout_s:
             raise ProfileError(
                 f"key connector.hit_log_pattern: searching {len(text)} characters "
-                f"of server log for {shorten(pattern)} took over {timeout_s} s; "
-                "simplify the pattern (avoid nested repeats such as (a+)+)") from None
+                f"of server log for {shorten(pattern)} took over {timeout_s} s of "
+                "CPU time; simplify the pattern (avoid nested repeats such as "
+                "(a+)+)")
+        if found:
+            return True
     return False
 
 
@@ -523,7 +530,7 @@ def _load(selector: str | None, env: Mapping[str, str], state: dict[str, Any],
 
     name = _interp(path, "profile.name", data["profile"]["name"], env, {})
     _validate(schema.ProfileSection, {"name": name}, {"final": True},
-              lambda _loc: path, ("profile",))
+              lambda *_locs: path, ("profile",))
     data["profile"]["name"] = name
     scratch = _scratch_dir(path, data.get("scratch", {}).get("dir", ""), name, env)
     builtins = {"SCRATCH": str(scratch)}
@@ -548,8 +555,7 @@ def _load(selector: str | None, env: Mapping[str, str], state: dict[str, Any],
     model = _validate(schema.ProfileModel, data, {
         "final": True, "scratch": str(scratch),
         "budget": lambda where: budget.check(path, where)},
-        lambda loc: origin.get(loc[:2], known_file if loc[:1] == ("known_failures",)
-                               else path))
+        _blame(origin, [file for file, _ in layers], path, known_file))
     return Profile(name=name, source=path, data=model.model_dump(), scratch=scratch,
                    chain=tuple(file for file, _ in layers),
                    parent_defects=parent_defects)
@@ -566,7 +572,8 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
         context: ``{"final": False}`` for one file of a chain (keys and types
             only; missing keys are left to the merged profile), ``{"final": True,
             "scratch": ..., "budget": ...}`` for the merged, interpolated profile.
-        file_of: the error's location -> the file that set the key.
+        file_of: the error's locations (where pydantic saw it, and the key a
+            refusal names) -> the file to name (:func:`_blame`).
         prefix: where ``data`` sits in a profile, e.g. ``("profile",)``.
 
     Returns:
@@ -586,8 +593,30 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
                 return None
         loc = (*prefix, *errors[0]["loc"])
         full = {prefix[0]: data} if prefix else data
-        raise ProfileError(f"{file_of(loc)}: {_describe(errors[0], loc, full)}"
+        named = str(getattr((errors[0].get("ctx") or {}).get("error"), "key", ""))
+        locs = [loc] + ([tuple(re.sub(r"\[.*", "", part) for part in
+                               named.split(".")[:2])] if named else [])
+        raise ProfileError(f"{file_of(*locs)}: {_describe(errors[0], loc, full)}"
                            ) from None
+
+
+def _blame(origin: Mapping[tuple[str, str], Path], chain: list[Path], top: Path,
+           known_file: Path) -> Any:
+    """``file_of`` of the merged profile: the file to name in an error.
+
+    Of the files that set the keys an error concerns, the most derived one: a
+    user's file that replaced a built-in's ``extra_config`` is named, not the
+    built-in whose required keys it lacks.
+    """
+    order = {file: i for i, file in enumerate(chain)}
+
+    def file_of(*locs: tuple[Any, ...]) -> Path:
+        files = [origin.get(tuple(loc[:2]), known_file  # type: ignore[call-overload]
+                            if loc[:1] == ("known_failures",) else top)
+                 for loc in locs]
+        return min(files, key=lambda f: order.get(f, 0))
+
+    return file_of
 
 
 def _walk(loc: tuple[Any, ...], data: Any) -> tuple[str, str, Any, Any, Any, int]:
@@ -701,7 +730,7 @@ def _read_chain(path: Path, budget: _Budget) -> list[tuple[Path, dict[str, Any]]
         seen.append(real)
         raw = _read_toml(current, budget)
         _validate(schema.ProfileModel, raw, {"final": False},
-                  lambda _loc, file=current: file)
+                  lambda *_locs, file=current: file)
         layers.append((current, raw))
         budget.check(current, "reading")
         parent = raw.get("profile", {}).get("extends", "")
@@ -1094,11 +1123,12 @@ def _kv_transfer_refusal(source: Path, exc: ValueError, role_fields: Mapping[str
 def claim_owned_paths(profile: Profile) -> list[Path]:
     """Mark the folders a run of ``profile`` writes in as the suite's, before it runs.
 
-    The scratch directory is created and marked (or adopted: an empty one, or the
-    default ``<repo>/.scratch/<name>`` whose folders predate markers), and so is
-    every new or empty folder ``connector.extra_config`` names outside scratch
-    (:func:`claim_store_paths`), so a folder accepted at load is marked before a
-    connector writes in it.
+    The scratch directory is created and marked (an earlier run's, marked, is
+    kept; the default ``<repo>/.scratch/<name>``, whose folders predate markers, is
+    adopted), and so is every new folder of ``[store] test_devices``
+    (:func:`claim_store_paths`), so a folder accepted at load is the suite's
+    before a connector writes in it. An existing folder without the marker is
+    never adopted, empty or not.
 
     Returns:
         the folders claimed.
@@ -1120,39 +1150,35 @@ def claim_owned_paths(profile: Profile) -> list[Path]:
 
 
 def claim_store_paths(profile: Profile) -> list[Path]:
-    """Create, with the suite's marker, the store folders outside scratch not made yet.
+    """Create, with the suite's marker, the test-device folders not made yet.
 
-    A connector store path of ``connector.extra_config`` outside scratch that does
-    not exist (up to a templated part such as ``rank{LOCAL_RANK}``) is a folder
-    the suite creates for this run, marked, so the connector and the store-fault
-    tests work in a folder the suite made; an existing empty one is adopted
-    (marked). Paths the load refused never get here; an existing folder that is
-    not the suite's is left alone.
+    A folder of ``[store] test_devices`` that does not exist is one the suite
+    creates for this run, marked, so connector stores declared there (the load
+    allowed no other place outside scratch) lie in a folder the suite made; one
+    that exists was accepted at load because an earlier run marked it. Device
+    nodes are left as they are.
 
     Returns:
-        the folders created or marked.
+        the folders created.
+
+    Raises:
+        ProfileError: a folder appeared meanwhile and is not the suite's, or
+            cannot be created; one line naming the key.
 
     """
     done = []
-    for _where, raw in strings_at(profile["connector"]["extra_config"],
-                                   "connector.extra_config"):
-        value = store_path_of(raw)
-        if value is None or len(value) > MAX_PATH_CHARS:
+    for i, dev in enumerate(profile["store"]["test_devices"]):
+        path = Path(dev)
+        if path.exists() and not path.is_symlink():
             continue
-        base = store_base(value)
-        devices = {os.path.normpath(d) for d in profile["store"]["test_devices"]}
-        if base == profile.scratch or base.is_relative_to(profile.scratch) or (
-                str(base) in devices):
-            continue
-        with contextlib.suppress(OSError):
-            if not base.exists():
-                base.parent.mkdir(parents=True, exist_ok=True)
-                done.append(run_store.claim_dir(base))
-            elif base.is_dir() and not base.is_symlink() and (
-                    run_store.owner_of(base) is None) and not any(base.iterdir()):
-                done.append(run_store.claim_dir(base))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            done.append(run_store.claim_dir(path))
+        except OSError as exc:
+            raise ProfileError(f"{profile.source}: key store.test_devices[{i}]: "
+                               f"cannot create {shorten(dev)} for the suite: "
+                               f"{shorten(str(exc), 200)}") from None
     return done
-
 
 
 def _scratch_dir(path: Path, raw: str, name: str, env: Mapping[str, str]) -> Path:

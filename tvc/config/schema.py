@@ -211,9 +211,10 @@ class ConnectorSection(Section):
                 raise Refusal(f"{shorten(key)} is not a key or dotted path")
             extra = info.data.get("extra_config", {})
             if not checks.get_extra_config_key(extra, key)[0]:
-                raise Refusal(f"{shorten(key)} is not in the profile's own "
-                              "connector.extra_config (a required key the profile "
-                              "does not set cannot be checked)")
+                raise Refusal(f"{shorten(key)} is missing, and "
+                              "connector.required_extra_config_keys names it (a "
+                              "required key the profile does not set cannot be "
+                              "checked)", "connector.extra_config")
         return keys
 
     @field_validator("kv_transfer")
@@ -368,9 +369,17 @@ class DaemonSection(Section):
     argv: list[str] = Field([], description="daemon command line, as a list")
     env: dict[str, Any] = Field({}, description="extra environment for the daemon")
     cwd: str = Field("", description="daemon working directory")
-    log_file: str = Field("", description="daemon log file")
+    log_file: str = Field("", description="daemon log file, in scratch (relative: "
+                          "to scratch)")
     device_globs: list[str] = Field([], description="device nodes the daemon brings "
                                     "up")
+
+    @field_validator("log_file")
+    @classmethod
+    def _log_file(cls, value: str, info: ValidationInfo) -> str:
+        if not (_final(info) and value):
+            return value
+        return checks.scratch_file(value, Path(info.context["scratch"]))  # type: ignore[index]
     mount_globs: list[str] = Field([], description="mount points that must be "
                                    "non-empty")
     start_timeout_s: float = bounded(60.0, 3600.0, "seconds in an hour",
@@ -399,13 +408,19 @@ class StoreSection(Section):
                            "machine", "bytes of the pool the real_nvme tier builds")
     options: dict[str, Any] = Field({}, description="keyword arguments passed to the "
                                     "factory")
-    test_devices: list[str] = Field([], description="paths outside scratch the store "
-                                    "may write (test devices)")
+    test_devices: list[str] = Field([], description="device nodes, or folders the "
+                                    "suite creates (new, or marked by an earlier "
+                                    "run), where stores outside scratch may write")
 
     @field_validator("path")
     @classmethod
     def _path(cls, path: str, info: ValidationInfo) -> str:
         return str(checks.owned_dir(path)) if _final(info) and path else path
+
+    @field_validator("test_devices")
+    @classmethod
+    def _devices(cls, devices: list[str], info: ValidationInfo) -> list[str]:
+        return checks.check_test_devices(devices) if _final(info) else devices
 
 
 class BandwidthSection(Section):
@@ -586,9 +601,11 @@ class ProfileModel(Section):
     @model_validator(mode="after")
     def _store_paths(self, info: ValidationInfo) -> ProfileModel:
         if _final(info):
-            checks.check_store_paths(self.connector.extra_config,
-                                     Path(info.context["scratch"]),  # type: ignore[index]
-                                     self.store.test_devices)
+            # resolved once: what the suite checked is what the connector gets
+            self.connector.extra_config = checks.resolve_store_paths(
+                self.connector.extra_config,
+                Path(info.context["scratch"]),  # type: ignore[index]
+                self.store.test_devices)
         return self
 
 

@@ -130,8 +130,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         max_num_batched_tokens: scheduler token budget per step.
         max_num_seqs: requests per step at most.
         kv_transfer_config: override of the profile's dict (configuration tests).
-            Either way, store paths inside the profile's scratch directory are
-            moved to this session's store folder
+            Either way, store paths inside the profile's scratch directory (or
+            a test-device folder) are moved to this session's store folder
             (:func:`tvc.store.run_store.isolate_store_paths`).
         device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
         tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
@@ -193,7 +193,8 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
     # Store paths under the profile's scratch move to this session's own folder, so
     # a replayed run (same TVC_CONTRACT_NONCE) finds no KV of an earlier run.
     ktc = isolate_store_paths(kv_transfer_config or profile.kv_transfer_config(),
-                              profile.scratch)
+                              profile.scratch,
+                              devices=profile["store"]["test_devices"])
     try:
         kt = KVTransferConfig(**ktc)
         extra: dict[str, Any] = {}

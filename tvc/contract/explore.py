@@ -222,6 +222,10 @@ class Stats:
     #: stand-in workers the sequences ran (``standin_label``; empty: the
     #: connector's real worker, or none), recorded as the test's ``worker``
     standins: list[str] = field(default_factory=list)
+    #: store faults not made: another writer changed this file in the store
+    #: folder (:class:`tvc.contract.faults.ForeignWriter`), or a recorded entry
+    #: changed before it was damaged (left as it is)
+    foreign: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (for a test property)."""
@@ -687,10 +691,21 @@ class Explorer:
             inj = self.injector
             if inj is None or (in_step and not inj.between_lookup_and_load):
                 return False
-            entries = inj.entries_since(self.store_mark)
+            from tvc.contract.faults import ForeignWriter
+
+            try:
+                entries = inj.entries_since(self.store_mark)
+            except ForeignWriter as exc:
+                self.stats.foreign = self.stats.foreign or str(exc)
+                return False
             if not entries:
                 return False
             getattr(inj, kind)(entries)
+            refused = getattr(inj, "refused", ())
+            if refused and not self.stats.foreign:
+                self.stats.foreign = (f"store fault not injected: {refused[0]} "
+                                      "changed after the connector wrote it "
+                                      "(another writer?), so it was left as it is")
         self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
         return True
 

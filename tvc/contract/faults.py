@@ -59,6 +59,7 @@ import copy
 import hashlib
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from tvc.config.checks import store_base
 from tvc.store import run_store
 
 FAULT_KEY = "tvc_fault"  # kv_connector_extra_config key of the wrapper's settings
@@ -513,6 +515,27 @@ def _block_dim(t: Any, num_blocks: int) -> int:
 
 
 # ------------------------------------------------------- store-level fault injectors
+class ForeignWriter(Exception):  # noqa: N818 - reads as what was found
+    """Another writer changes files in the store folder: the injector stops.
+
+    Attributes:
+        path: the file that changed when only the connector should have written.
+
+    """
+
+    def __init__(self, path: Path, why: str) -> None:
+        """Name the file and why it counts as another writer's."""
+        super().__init__(
+            f"store fault not injected: {path} {why}; the store-fault tests damage "
+            "only files the connector under test wrote in this run, and another "
+            "writer's files are left as they are (stop the other program, or give "
+            "the connector a store folder of its own)")
+        self.path = path
+
+
+Identity = run_store.Identity
+
+
 class FileStoreInjector:
     """Damages a file-based store (files under one directory), between steps.
 
@@ -525,91 +548,171 @@ class FileStoreInjector:
     ``wait_for_save`` (CPython ignores ``SIGXFSZ``, so the write returns
     ``EFBIG``; this works for root too).
 
-    It touches only what it saw the connector write: ``root`` must lie in a folder
-    holding the suite's ownership marker (:func:`tvc.store.run_store.owned_ancestor`),
-    and ``lose``/``corrupt``/``tear`` act only on files ``entries_since`` returned
-    and that are still the same file (device and inode) as then: a file replaced
-    meanwhile (by another process, or by a symlink) is left as it is.
+    It damages only files the connector under test wrote in this run:
+
+    - ``root`` lies in a folder this process created in this run
+      (:func:`tvc.store.run_store.made_in_this_run`: the session's store folder);
+    - an entry is a file that appeared during the step, recorded as it appears
+      by path, device, inode, mtime and size (:meth:`entries_since`), once the
+      store folder is quiet; a file that was there before the step and changed
+      during it, or one that keeps changing once the step's writes are over
+      (checked every :func:`tvc.store.run_store.settle_s`, for at most
+      :data:`QUIET_MAX_S`), is
+      another writer's, and the injector stops (:class:`ForeignWriter`, sticky
+      for the injector, noted for the session's clean-up, which then keeps the
+      folder);
+    - before it touches an entry it checks the file is still the one recorded
+      (same device, inode, mtime and size): one changed meanwhile is left as it
+      is and listed in :attr:`refused` for the test to say so.
+
+    Symlinks are never entries. A file another program creates once inside the
+    connector's own store folder during the very step, and never again, cannot be
+    told from the connector's (docs/safety.md).
 
     Attributes:
         kinds: the faults this injector makes.
         between_lookup_and_load: it can act after the lookup, before the load.
+        refused: entries left untouched because they changed after they were
+            recorded.
 
     """
 
     kinds = frozenset({"lose", "corrupt", "tear", "fail_save"})
     between_lookup_and_load = True
     FAILED_WRITE_LIMIT = 16  # bytes a failing save may still write
+    QUIET_MAX_S = 2.0  # how long the step's own late writes may take to end
+    #   (at the box's load factor, as :func:`tvc.store.run_store.settle_s`)
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        if run_store.owned_ancestor(self.root) is None:
+        if run_store.made_in_this_run(self.root) is None:
             raise FaultConfigError(
-                f"{self.root} is in no folder the suite owns (no "
-                f"{run_store.OWNER_MARKER} marker at or above it); the store-fault "
-                "tests damage only the suite's own folders")
-        self._seen: dict[Path, tuple[int, int]] = {}
+                f"{self.root} is in no folder this run created (a session store "
+                f"folder holds a {run_store.OWNER_MARKER} marker naming this process "
+                "and run); the store-fault tests damage only what the connector "
+                "wrote in the suite's own folders of this run")
+        self._seen: dict[Path, Identity] = {}
+        self.refused: list[Path] = []
+        self.foreign: ForeignWriter | None = None
 
-    def mark(self) -> dict[Path, tuple[int, int]]:
-        """Every regular file under the root with (mtime_ns, size); no symlinks."""
-        out = {}
-        for p in self.root.rglob("*") if self.root.is_dir() else ():
-            with contextlib.suppress(OSError):
-                st = p.lstat()
-                if stat.S_ISREG(st.st_mode):
-                    out[p] = (st.st_mtime_ns, st.st_size)
-        return out
+    def mark(self) -> dict[Path, Identity]:
+        """Every regular file under the root with its identity; no symlinks."""
+        return run_store.file_identities(self.root)
 
-    def entries_since(self, mark: dict[Path, tuple[int, int]]) -> list[Path]:
-        """Files written or changed since ``mark`` (remembered as seen written)."""
-        now = self.mark()
-        new = sorted(p for p, v in now.items() if mark.get(p) != v)
+    def _quiet(self) -> dict[Path, Identity]:
+        """A snapshot of the store once nothing changed in it for a settle time.
+
+        A file that changes in two settle times running is rewritten over and
+        over: another writer (:class:`ForeignWriter`) at once. New files that
+        keep appearing end the wait after :data:`QUIET_MAX_S` (scaled as the
+        settle time), also as another writer.
+        """
+        if self.foreign is not None:
+            raise self.foreign
+        settle = run_store.settle_s()
+        deadline = time.monotonic() + self.QUIET_MAX_S * settle / run_store.SETTLE_S
+        now, before = self.mark(), None
+        while True:
+            time.sleep(settle)
+            later = self.mark()
+            if later == now:
+                return later
+            changed = sorted(p for p in later.keys() | now.keys()
+                             if later.get(p) != now.get(p))
+            again = [p for p in changed if before is not None and p in now
+                     and p in before and now[p] != before[p]]
+            if again or time.monotonic() > deadline:
+                self.foreign = ForeignWriter((again or changed)[0], (
+                    "was rewritten over and over after the connector's step"
+                    if again else f"kept changing for {self.QUIET_MAX_S} s after "
+                    "the connector's step") + " (another program writes in the "
+                    "store folder, or the connector never stops writing)")
+                run_store.note_foreign_writer(self.root, (again or changed)[0])
+                raise self.foreign
+            now, before = later, now
+
+    def entries_since(self, mark: dict[Path, Identity]) -> list[Path]:
+        """Files that appeared since ``mark``, recorded as the connector's.
+
+        A file that was there at ``mark`` is never an entry; one that changed
+        since (other than by this injector) means another writer.
+
+        Raises:
+            ForeignWriter: a file there at ``mark`` changed, or the store folder
+                did not become quiet (see the class).
+
+        """
+        now = self._quiet()
+        for p in sorted(mark):
+            if p in now and now[p] != mark[p] and self._seen.get(p) != now[p]:
+                self.foreign = ForeignWriter(p, (
+                    "changed during the connector's step though it was there "
+                    "before it (another program writes in the store folder, or "
+                    "the connector rewrote an older file)"))
+                run_store.note_foreign_writer(self.root, p)
+                raise self.foreign
+        new = sorted(p for p in now if p not in mark)
         for p in new:
-            with contextlib.suppress(OSError):
-                self._seen[p] = self._identity(p)
+            self._seen[p] = now[p]
         return new
 
     @staticmethod
-    def _identity(p: Path) -> tuple[int, int]:
+    def _identity(p: Path) -> Identity:
         st = p.lstat()
         if not stat.S_ISREG(st.st_mode):
             raise FileNotFoundError(p)
-        return (st.st_dev, st.st_ino)
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _mine(self, entries: Iterable[Path]) -> list[Path]:
-        """The entries this injector saw written that are still that same file."""
+        """The entries recorded as the connector's that are still that same file."""
         out = []
         for p in entries:
             p = Path(p)
+            if p not in self._seen or not p.is_relative_to(self.root):
+                continue
             try:
-                same = self._seen.get(p) == self._identity(p)
+                same = self._seen[p] == self._identity(p)
             except OSError:
                 same = False
-            if same and p.is_relative_to(self.root):
+            if same:
                 out.append(p)
+            elif p.exists() or p.is_symlink():
+                self.refused.append(p)
         return out
+
+    def _remember(self, p: Path) -> None:
+        """The file as this injector left it (its own write is no other writer's)."""
+        with contextlib.suppress(OSError):
+            self._seen[p] = self._identity(p)
 
     def lose(self, entries: Iterable[Path]) -> None:
         """Delete the entries' files."""
         for p in self._mine(entries):
             p.unlink(missing_ok=True)
+            self._seen.pop(p, None)
 
     def corrupt(self, entries: Iterable[Path]) -> None:
         """Flip one bit in 8 bytes spread over the last quarter of each file."""
         for p in self._mine(entries):
-            data = bytearray(p.read_bytes())
-            lo = len(data) * 3 // 4
-            for i in range(8):
-                j = lo + (len(data) - lo) * i // 8
-                if j < len(data):
-                    data[j] ^= 0x40
-            p.write_bytes(bytes(data))
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+            with os.fdopen(fd, "r+b") as f:
+                data = bytearray(f.read())
+                lo = len(data) * 3 // 4
+                for i in range(8):
+                    j = lo + (len(data) - lo) * i // 8
+                    if j < len(data):
+                        data[j] ^= 0x40
+                f.seek(0)
+                f.write(bytes(data))
+            self._remember(p)
 
     def tear(self, entries: Iterable[Path]) -> None:
         """Truncate each file to half its size (a torn write)."""
         for p in self._mine(entries):
-            with open(p, "r+b") as f:
-                f.truncate(p.stat().st_size // 2)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+            with os.fdopen(fd, "r+b") as f:
+                f.truncate(os.fstat(fd).st_size // 2)
+            self._remember(p)
 
     @contextlib.contextmanager
     def failing_saves(self, worker: Any) -> Iterator[None]:
@@ -719,11 +822,11 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
     ``connector.fault_injector = "module:function"`` is called with the rig and
     returns an injector (an object with ``kinds``, ``between_lookup_and_load``,
     ``mark``, ``entries_since`` and one method per kind). Empty: a
-    :class:`FileStoreInjector` on the first directory path of the connector's
-    ``kv_connector_extra_config`` (after the suite moved it to this session's
-    store folder; made when missing, e.g. the exploration's per-sequence
-    stores), else an :class:`ObjectStoreInjector` on the scheduler-side
-    connector.
+    :class:`FileStoreInjector` on the first directory path (or ``file://`` URL)
+    of the connector's ``kv_connector_extra_config`` (after the suite moved it
+    to this session's store folder; made when missing, e.g. the exploration's
+    per-sequence stores), else an :class:`ObjectStoreInjector` on the
+    scheduler-side connector.
 
     Raises:
         FaultConfigError: the hook cannot be imported or called.
@@ -745,20 +848,26 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
             ) from None
     extra = rig.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     for v in _strings(extra):
-        if not os.path.isabs(v) or (os.path.exists(v) and not os.path.isdir(v)):
+        found = run_store.resolved_path_of(v)
+        if found is None:
+            continue
+        # a templated part (rank{LOCAL_RANK}) is the connector's: watch above it
+        path = store_base(found[1])
+        if path.parent == path:
+            continue
+        if path.exists() and not path.is_dir():
             continue
         # a store folder not made yet (the exploration's per-sequence stores) is
-        # one when the suite owns a folder above it
-        owned = run_store.owned_ancestor(Path(v))
-        if owned is not None or Path(v).parent.is_dir():
-            if owned is None:
-                raise FaultConfigError(
-                    f"kv_connector_extra_config path {v!r} is in no folder the suite "
-                    f"owns (no {run_store.OWNER_MARKER} marker at or above it): the "
-                    "store-fault tests damage only what the suite's connector wrote "
-                    "inside the suite's own folders")
-            Path(v).mkdir(parents=True, exist_ok=True)
-            return FileStoreInjector(v)
+        # one when this run made a folder above it
+        if run_store.made_in_this_run(path) is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            return FileStoreInjector(path)
+        if run_store.owned_ancestor(path) is not None or path.parent.is_dir():
+            raise FaultConfigError(
+                f"kv_connector_extra_config path {v!r} is in no folder this run "
+                f"created (no {run_store.OWNER_MARKER} marker of this process at or "
+                "above it): the store-fault tests damage only what the connector "
+                "wrote in the suite's own folders of this run")
     conn = rig.scheduler.connector
     return ObjectStoreInjector(getattr(conn, "inner", conn))
 

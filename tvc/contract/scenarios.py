@@ -658,9 +658,14 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
         check_every_load(rig, [ra, rb], "after a failed save")
         finish(rig)
         return {"kind": kind, "matched_after_failed_save": ma}
+    from tvc.contract.faults import ForeignWriter
+
     a_mark = inj.mark()
     a = _store(rig, n)
-    a_entries = inj.entries_since(a_mark)
+    try:
+        a_entries = inj.entries_since(a_mark)
+    except ForeignWriter as exc:
+        raise NotApplicable(str(exc)) from None
     assert a_entries, (
         f"the {type(inj).__name__} found no store entry written for a stored "
         f"{n}-token prompt")
@@ -682,6 +687,11 @@ def store_fault(make_rig: MakeRig, profile: Any, kind: str, policy: str,
         at["state"] = "before the lookup"
     rig.driver.run(ra, rb)                                          # 2
     rig.driver.before_worker = None
+    refused = list(getattr(inj, "refused", ()))
+    if refused:  # another writer's file (or one changed since) is never touched
+        raise NotApplicable(
+            f"store fault '{kind}' not judged: {refused[0]} changed after the "
+            "connector wrote it (another writer?), so it was left as it is")
     if not at:
         raise AssertionError(
             f"scenario did not happen: the connector never answered a lookup for "

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tvc.core.files import read_json, write_file
 from tvc.plugin.findings import causes
 from tvc.plugin.report import (
     SUMMARY_OUTCOMES,
@@ -71,7 +72,7 @@ def check_out_dir(out: Path, inputs: Sequence[Path]) -> str:
         return f"{out} exists and is not a folder"
     if out.is_dir() and any(out.iterdir()):
         try:
-            earlier = json.loads((out / "summary.json").read_text())
+            earlier = read_json(out / "summary.json")
         except (OSError, ValueError):
             earlier = None
         if not (isinstance(earlier, dict) and "fleet" in earlier):
@@ -264,9 +265,12 @@ def merge(inputs: Sequence[Path], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     warn: list[str] = []
     tree = fleet_junit(runs, warn)
-    tree.write(out / "junit.xml", encoding="utf-8", xml_declaration=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str)
-                                      + "\n")
+    root = tree.getroot()
+    assert root is not None  # fleet_junit builds the tree around a root
+    write_file(out / "junit.xml", ET.tostring(root, encoding="utf-8",
+                                              xml_declaration=True))
+    write_file(out / "summary.json", json.dumps(summary, indent=2, default=str)
+               + "\n")
     files = write_fleet_page(out, summary)
     return {**summary, "warnings": warn,
             "files": {"summary.json": out / "summary.json",
@@ -328,6 +332,6 @@ def write_fleet_page(out: Path, summary: Mapping[str, Any]) -> dict[str, Path]:
 
     model = fleet_model(summary)
     md, page = Path(out) / "summary.md", Path(out) / "summary.html"
-    md.write_text(render("fleet.md.j2", model))
-    page.write_text(render("fleet.html.j2", model))
+    write_file(md, render("fleet.md.j2", model))
+    write_file(page, render("fleet.html.j2", model))
     return {"markdown": md, "html": page}

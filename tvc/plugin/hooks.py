@@ -578,19 +578,24 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
     if opt.help or opt.markers or opt.showfixtures or opt.collectonly or getattr(
             opt, "fixtures_per_test", False):
         return None  # nothing runs: no run folder
+    from tvc.report import run_folder
+
     opt_dir = config.getoption("tvc_report_dir")
     report_dir = opt_dir or os.environ.get("TVC_REPORT_DIR")
     own_tests = is_selftest_run(config)
-    run_dir = (Path(report_dir).expanduser().resolve() if report_dir
-               else reporting.default_run_dir(profile.name, selftests=own_tests,
-                                              invocation_dir=config.invocation_params.dir))
-    existed = run_dir.exists()
-    why = reporting.check_run_dir(run_dir)
-    if why:
-        where = OPTION_NAMES["tvc_report_dir"] if opt_dir else (
-            "TVC_REPORT_DIR" if report_dir else "reports/")
-        raise pytest.UsageError(f"{where}: cannot write reports: {why}")
+    where = OPTION_NAMES["tvc_report_dir"] if opt_dir else (
+        "TVC_REPORT_DIR" if report_dir else "reports/")
+    try:  # resolved once, created (fresh by default) and locked for this run
+        run_dir = (run_folder.resolve_run_dir(report_dir) if report_dir
+                   else run_folder.default_run_dir(
+                       profile.name, selftests=own_tests,
+                       invocation_dir=config.invocation_params.dir))
+        existed = bool(report_dir) and run_dir.exists()
+        run_dir, lock = run_folder.open_run_dir(run_dir, fresh=not report_dir)
+    except run_folder.RunFolderUnusable as exc:
+        raise pytest.UsageError(f"{where}: cannot write reports: {exc}") from None
     config.stash[_RUN]["created_dir"] = not existed
+    config.add_cleanup(lambda: run_folder.release(lock))
     if not config.option.xmlpath:
         config.option.xmlpath = str(run_dir / "junit.xml")
     meta = {
@@ -840,7 +845,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     with contextlib.suppress(ValueError):
         _CONFIGS.remove(config)
-    with run_control.HoldInterrupts():  # a second Ctrl-C must not leave a store
+    # a second Ctrl-C must not leave a store; a worker's SIGINT here is execnet's
+    with run_control.HoldInterrupts(announce=not hasattr(config, "workerinput")):
         run_store.remove_session_stores()
         if not hasattr(config, "workerinput"):  # a worker killed on its way out
             with contextlib.suppress(Exception):
@@ -853,7 +859,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _interrupted(config):  # Ctrl-C before the session could finish
         _write_reports(config, rep, int(pytest.ExitCode.INTERRUPTED))
     elif run["created_dir"]:  # e.g. a usage error after configure: no empty folder
+        from tvc.report.run_folder import LOCK_NAME
+
         with contextlib.suppress(OSError):
+            (rep.run_dir / LOCK_NAME).unlink()
             rep.run_dir.rmdir()
 
 
@@ -986,7 +995,11 @@ def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> in
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         rep.terminated_by = _terminating_signal(config)
     exitstatus = _coverage(config, rep, exitstatus)
-    rep.write(exitstatus)
+    try:
+        rep.write(exitstatus)
+    except OSError as exc:  # a link planted mid-run, a full disk: one line
+        sys.stderr.write(f"tvc: summary.json not written: {exc}\n")
+        return exitstatus
     try:  # where the time went: servers and tests (timeline.json, charts/)
         from tvc.plugin.timeline import test_spans, write_run_timeline
 
@@ -994,14 +1007,14 @@ def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> in
         write_run_timeline(rep.run_dir, test_spans(run.get("reports", [])),
                            run.get("started"))
     except Exception as exc:  # noqa: BLE001 - never fails a run
-        sys.stderr.write(f"timeline not written: {exc!r}\n")
+        sys.stderr.write(f"timeline not written: {exc}\n")
     xml = Path(config.option.xmlpath) if config.option.xmlpath else None
     try:  # the outcome in junit.xml; the user's --junitxml and the run folder's
         from tvc.plugin.report import finish_junit
 
         finish_junit(rep, exitstatus, xml, str(config.getini("junit_suite_name")))
     except Exception as exc:  # noqa: BLE001 - never lose the run's summary
-        sys.stderr.write(f"junit.xml not completed: {exc!r}\n")
+        sys.stderr.write(f"junit.xml not completed: {exc}\n")
     try:  # the one-page summary (summary.md/.html, charts/); never fails a run
         from tvc.plugin.summary_page import write_page
 
@@ -1009,7 +1022,7 @@ def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> in
         write_page(rep.run_dir, notes)
         config.stash[_RUN]["page_note"] = " ".join(notes)
     except Exception as exc:  # noqa: BLE001
-        sys.stderr.write(f"summary page not written: {exc!r}\n")
+        sys.stderr.write(f"summary page not written: {exc}\n")
     return exitstatus
 
 

@@ -21,13 +21,13 @@ shutdown) still gets one (:func:`write_fallback_junit`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import importlib.util
 import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tvc.config.paths import DATA_DIR, reports_root
+from tvc.core.files import read_json, write_file
 from tvc.plugin.findings import findings
 
 
@@ -60,34 +61,6 @@ TIER_MARKERS = _tiers_from_markers_ini()
 # pytest's exit codes (_pytest.config.ExitCode) as the run's outcome word
 OUTCOME_BY_EXIT = {0: "passed", 1: "failed", 2: "interrupted", 3: "internal_error",
                    4: "usage_error", 5: "no_tests"}
-
-
-def default_run_dir(profile_name: str, selftests: bool = False,
-                    invocation_dir: Path | None = None) -> Path:
-    """A fresh run folder name: ``reports/<YYYYmmdd-HHMMSS>-<profile>[-N]``.
-
-    ``reports/`` is :func:`tvc.config.paths.reports_root`: ``$TVC_REPORTS_ROOT``
-    (the self-tests use it so that they never touch a user's reports/), the
-    checkout's ``reports/``, or, installed, ``./reports`` of ``invocation_dir``.
-
-    Args:
-        profile_name: the profile's name (the folder's suffix).
-        selftests: a run of the suite's own tests (``selftests/``): the folder goes
-            under ``reports/selftests/``, so it never becomes ``reports/latest``
-            (which names the newest conformance run).
-        invocation_dir: the directory pytest was started in (default: the
-            current directory).
-
-    """
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    base_root = reports_root(invocation_dir)
-    root = base_root / "selftests" if selftests else base_root
-    base = root / f"{stamp}-{profile_name}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def _dist(name: str) -> dict[str, str]:
@@ -262,18 +235,19 @@ class RunReport:
                                        run.get("require") or ())
         run["outcome_reason"] = outcome_reason(summary)
         self.summary = summary
-        path = self.run_dir / "summary.json"
-        path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        path = write_file(self.run_dir / "summary.json",
+                          json.dumps(summary, indent=2, default=str) + "\n")
         self.written = True
-        root = reports_root(self.invocation_dir)
-        if self.run_dir.parent == root and self.tests:
+        with contextlib.suppress(OSError, RuntimeError):
+            root = reports_root(self.invocation_dir)
             latest = root / "latest"
-            try:
-                if latest.is_symlink() or latest.exists():
-                    latest.unlink()
-                os.symlink(self.run_dir.name, latest)
-            except OSError:
-                pass
+            # the suite's own link only: a file or folder named latest is left
+            if self.run_dir.parent == root and self.tests and (
+                    latest.is_symlink() or not latest.exists()):
+                tmp = root / f".latest.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                os.symlink(self.run_dir.name, tmp)
+                os.replace(tmp, latest)
         return path
 
 
@@ -322,7 +296,7 @@ def write_fallback_junit(rep: RunReport, exitstatus: int, suite_name: str,
         suite.set(k, str(v))
     path = path or rep.run_dir / "junit.xml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    write_file(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
     return path
 
 
@@ -440,7 +414,7 @@ def stamp_junit(path: Path, summary: dict[str, Any]) -> None:
         for attr in ("tests", "failures"):
             if root.get(attr) is not None:
                 root.set(attr, str(sum(int(s.get(attr, "0") or 0) for s in suites)))
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    write_file(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
 
 def finish_junit(rep: RunReport, exitstatus: int, xml: Path | None,
@@ -469,49 +443,9 @@ def finish_junit(rep: RunReport, exitstatus: int, xml: Path | None,
     stamp_junit(first, rep.summary)
     out = [first]
     if first != own.resolve():
-        own.write_bytes(first.read_bytes())
+        write_file(own, first.read_bytes())
         out.append(own)
     return out
-
-
-def holds_suite_run(path: Path) -> bool:
-    """True when ``path/summary.json`` is one this suite wrote.
-
-    That is a JSON object with ``run``, ``counts`` and ``tests``: reusing such a
-    folder overwrites only the suite's own files; a user's file of that name does
-    not qualify.
-    """
-    try:
-        data = json.loads((path / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and {"run", "counts", "tests"} <= data.keys()
-
-
-def check_run_dir(path: Path) -> str:
-    """Why ``path`` cannot be a run folder ('' when it can).
-
-    A run folder must be a directory this user can create and write, and must not
-    be a non-empty directory that holds anything but an earlier run (so a stray
-    ``--tvc-report-dir=.`` never mixes reports into someone's files).
-    """
-    if path.exists() and not path.is_dir():
-        return f"{path} exists and is not a directory"
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable by this user"
-    if path.is_dir() and any(path.iterdir()) and not holds_suite_run(path):
-        return (f"{path} is a non-empty folder that holds no earlier run of this "
-                "suite (a summary.json it wrote); choose an empty or new folder")
-    try:  # the only sure test: create it and write into it
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".tvc-write-test-"):
-            pass
-    except OSError as exc:
-        return f"{path} cannot be created or written ({exc.strerror})"
-    return ""
 
 
 def _short(report: pytest.TestReport) -> str:
@@ -541,28 +475,28 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         the parsed summary.
 
     Raises:
-        RunFolderError: no such folder, no ``summary.json``, not JSON, not an
+        RunFolderError: no such folder, no ``summary.json``, not a regular file
+            (a FIFO), over 64 MiB, nested over 64 deep, not JSON, not an
             object, a key missing (``run``, ``counts``, ``tests``) or of the
             wrong type (``tests[3].outcome``); the message names the file and
             the key.
 
     """
     path = Path(run_dir) / "summary.json"
-    if not Path(run_dir).is_dir():
-        raise RunFolderError(f"{run_dir}: no such folder")
     try:
-        text = path.read_text(encoding="utf-8")
+        if not Path(run_dir).is_dir():
+            raise RunFolderError(f"{run_dir}: no such folder")
+        data = read_json(path)
     except FileNotFoundError:
         raise RunFolderError(f"{path}: missing: {run_dir} is not a run folder (a run "
                              "writes summary.json at its end)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RunFolderError(f"{path}: cannot be read ({exc})") from None
-    try:
-        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RunFolderError(f"{path}: not valid JSON ({exc.msg} at line "
                              f"{exc.lineno} column {exc.colno}): the run that wrote "
                              "it was cut off") from None
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise RunFolderError(f"{path}: cannot be read ({why})") from None
     if not isinstance(data, dict):
         raise RunFolderError(f"{path}: expected a JSON object, got "
                              f"{type(data).__name__}")

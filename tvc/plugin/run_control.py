@@ -385,6 +385,15 @@ class HoldInterrupts:
 
     SIGTERM and SIGHUP are held the same way (one count each).
 
+    An xdist worker holds them silently (``announce=False``): its SIGINT while
+    finishing is execnet's own (``WorkerGateway._terminate_execution`` sends one to
+    the worker whose main thread still runs 5 s after the controller closed the
+    gateway, as a worker's clean-up does on a loaded box), not a user's; a user's
+    Ctrl-C reaches the controller, which says so.
+
+    Args:
+        announce: print the line on the first signal.
+
     Attributes:
         count: SIGINTs, SIGTERMs and SIGHUPs received inside the block.
         signum: the first SIGTERM/SIGHUP received inside the block, or None.
@@ -393,9 +402,10 @@ class HoldInterrupts:
 
     LIMIT = 3
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.count = 0
         self.signum: int | None = None
+        self.announce = announce
         self._old: dict[int, Any] = {}
         self._armed = False
 
@@ -405,7 +415,7 @@ class HoldInterrupts:
             self.signum = signum
         if self.count >= self.LIMIT:
             raise KeyboardInterrupt
-        if self.count == 1:
+        if self.count == 1 and self.announce:
             with contextlib.suppress(Exception):
                 sys.stderr.write(f"\ntvc: {signal.Signals(signum).name} while "
                                  "finishing: writing the reports first (two more "

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tvc.core.files import read_json, save_figure, write_file
 from tvc.plugin.findings import causes
 from tvc.plugin.report import TIER_MARKERS, outcome_reason
 
@@ -83,7 +84,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     p = run_dir / "summary.json"
     if p.is_file():
-        summary = json.loads(p.read_text())
+        summary = read_json(p)
     started = run_started(summary)
     stale: list[str] = []
 
@@ -97,8 +98,8 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
     def read(path: Path) -> dict[str, Any]:
         try:
-            return json.loads(path.read_text()) if fresh(path) else {}
-        except (OSError, json.JSONDecodeError):
+            return read_json(path) if fresh(path) else {}
+        except (OSError, ValueError):
             return {}
 
     trace: dict[tuple[str, str], dict[str, Any]] = {}
@@ -281,8 +282,7 @@ def chart_ttft_cdf(trace: Mapping[tuple[str, str], Mapping[str, Any]], out: Path
     axes[0][0].set_ylabel("fraction of requests")
     fig.suptitle("Time to first token: with vs without the connector", fontsize=12)
     fig.tight_layout()
-    path = out / "ttft_cdf.png"
-    fig.savefig(path, dpi=110)
+    path = save_figure(fig, out / "ttft_cdf.png", out.parent)
     plt.close(fig)
     return path
 
@@ -324,8 +324,7 @@ def chart_bandwidth(bw_run: Mapping[str, Any], out: Path) -> Path | None:
     ax.legend(fontsize=9, loc="best")
     ax.set_title("Store bandwidth against the threshold", fontsize=12)
     fig.tight_layout()
-    path = out / "bandwidth.png"
-    fig.savefig(path, dpi=110)
+    path = save_figure(fig, out / "bandwidth.png", out.parent)
     plt.close(fig)
     return path
 
@@ -790,7 +789,7 @@ def write_page(run_dir: str | Path, notes: list[str] | None = None
     charts: dict[str, Path | None] = {"bandwidth": data["bandwidth_png"]}
     tl_path = run_dir / "timeline.json"
     with contextlib.suppress(OSError, ValueError):
-        data["timeline"] = json.loads(tl_path.read_text())
+        data["timeline"] = read_json(tl_path)
         # this folder's own chart (a copied or moved run folder keeps the path
         # of where it was written in timeline.json)
         png = run_dir / "charts" / Path(str(data["timeline"].get("chart") or "")).name
@@ -811,17 +810,14 @@ def write_page(run_dir: str | Path, notes: list[str] | None = None
             note = f"{note} {NO_MATPLOTLIB}".strip()
         else:
             cdir = run_dir / "charts"
-            cdir.mkdir(exist_ok=True)
             if want_ttft:
                 charts["ttft"] = chart_ttft_cdf(data["trace"], cdir)
             if want_bw:
                 charts["bandwidth"] = chart_bandwidth(data["bandwidth_run"], cdir)
     if note and notes is not None:
         notes.append(note)
-    md = run_dir / "summary.md"
-    md.write_text(render_markdown(data, charts, note))
-    page = run_dir / "summary.html"
-    page.write_text(render_html(data, charts, note))
+    md = write_file(run_dir / "summary.md", render_markdown(data, charts, note))
+    page = write_file(run_dir / "summary.html", render_html(data, charts, note))
     out = {"markdown": md, "html": page}
     out.update({k: v for k, v in charts.items() if v is not None})
     return out

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tvc.core.files import read_json, save_figure, write_file
+
 TIMELINE_DIR = "timeline"  # <run>/timeline/servers-<worker>.json (one per process)
 TIMELINE_JSON = "timeline.json"
 TIMELINE_PNG = "timeline.png"  # under <run>/charts/
@@ -92,12 +94,9 @@ class Timeline:
             the path written.
 
         """
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"servers-{worker}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"worker": worker, **self.as_dict()}, indent=1))
-        tmp.replace(path)
-        return path
+        return write_file(folder / f"servers-{worker}.json",  # whole file or none
+                          json.dumps({"worker": worker, **self.as_dict()}, indent=1),
+                          folder.parent)
 
 
 def test_spans(reports: Iterable[Any]) -> list[dict[str, Any]]:
@@ -136,7 +135,7 @@ def read_server_parts(folder: Path
     waits: list[dict[str, Any]] = []
     for path in sorted(folder.glob("servers-*.json")):
         with contextlib.suppress(OSError, ValueError):
-            part = json.loads(path.read_text())
+            part = read_json(path)
             worker = part.get("worker", path.stem)
             servers += [{**s, "worker": worker} for s in part.get("servers", [])]
             waits += [{**w, "worker": worker} for w in part.get("waits", [])]
@@ -262,8 +261,7 @@ def chart(data: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_xlabel("seconds since the run began")
     ax.set_title("; ".join(data.get("critical_path", [])[:2]), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, path.parent.parent)  # <run>/charts/<name>
     plt.close(fig)
     return path
 
@@ -285,5 +283,5 @@ def write_run_timeline(run_dir: Path, tests: list[dict[str, Any]],
     png = chart(data, run_dir / "charts" / TIMELINE_PNG) if (
         data["servers"] or data["tests"]) else None
     data["chart"] = str(png) if png else None
-    (run_dir / TIMELINE_JSON).write_text(json.dumps(data, indent=1))
+    write_file(run_dir / TIMELINE_JSON, json.dumps(data, indent=1))
     return data

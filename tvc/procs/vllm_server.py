@@ -652,9 +652,9 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
             ``tvc_profile``); default the run's (``config.stash``).
         **overrides: keyword arguments for :class:`VllmServer` that replace the
             profile's (``kv_transfer_config``, ``serve_args``, ``env``...).
-            Store paths inside the profile's scratch directory in the
-            ``kv_transfer_config`` used (the profile's or an override) are moved
-            to this session's store folder
+            Store paths inside the profile's scratch directory (or a
+            test-device folder) in the ``kv_transfer_config`` used (the
+            profile's or an override) are moved to this session's store folder
             (:func:`tvc.store.run_store.isolate_store_paths`): every server of the
             session shares it, a restart keeps it, the session's end removes it.
             A connector server (one with a ``kv_transfer_config``) logs at the
@@ -695,7 +695,8 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
     if kwargs.get("kv_transfer_config") is not None:
         # this session's own store: no KV of an earlier run, removed at the end
         kwargs["kv_transfer_config"] = isolate_store_paths(
-            kwargs["kv_transfer_config"], profile.scratch)
+            kwargs["kv_transfer_config"], profile.scratch,
+            devices=profile["store"]["test_devices"])
     stash = getattr(config, "stash", None)  # None: a caller without a pytest config
     pool = stash.get(POOL_KEY, None) if stash is not None else None
     if pool is None:

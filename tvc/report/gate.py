@@ -20,7 +20,6 @@ passes, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -32,13 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tvc.core.files import read_json, write_file
+
 #: the reference profiles: vLLM's own connectors; the gate needs them CERTIFIED
 REFERENCE = ("example", "cpu-offload")
 #: real targets, gated when their profile exists (certify says when the host
 #: cannot run one: no package, no hardware)
 REAL_TARGETS = ("lmcache", "lmcache-mp", "mooncake-store", "tutti")
 #: one certification's wall-clock limit (s): the device tool allows 600 s a
-#: command; issue 35 asks for <= 150 s per reference profile on one H200
+#: command; the target is <= 150 s per reference profile on one H200
 DEFAULT_TIMEOUT_S = 280
 
 _VERDICT = re.compile(r"^certify: \S+ (?P<verdict>.+?) in \d+h\d\dm\d\ds ")
@@ -90,9 +91,9 @@ class GateRow:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # bounded: a FIFO or a device is never read, nor a 1 GB file
+        data = read_json(path)
+    except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
     text = table(rows)
     print(text)
-    (reports / "gate.md").write_text(text + "\n", encoding="utf-8")
+    write_file(reports.resolve() / "gate.md", text + "\n")
     return 0 if all(r.passes for r in rows) else 1
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tvc.core.files import save_figure, write_file
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
 IO_SIZES = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)  # bytes per call
@@ -337,7 +339,10 @@ def bar_chart(results: Mapping[str, Any], path: Path,
     ax.grid(axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    (savefig or fig.savefig)(path, dpi=110)
+    if savefig is not None:
+        savefig(path, dpi=110)
+    else:
+        save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -345,5 +350,4 @@ def bar_chart(results: Mapping[str, Any], path: Path,
 def write_json(results: Mapping[str, Any], path: Path) -> Path:
     """Write the measurement as JSON (I/O sizes as strings)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return path
+    return write_file(path, json.dumps(results, indent=2, default=str) + "\n")

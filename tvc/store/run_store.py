@@ -20,9 +20,11 @@ interpreter exit outside pytest. Folders left by a killed run (their process is 
 are removed when the next session opens its own.
 
 Nothing here names a connector or a profile: the rule is "paths under the suite's
-scratch are the suite's; each session gets its own". A store outside the scratch
-directory (a daemon's device, a mount) is left as the profile says; the contract
-tier's per-run nonce keeps its prompts unknown to such a store.
+scratch are the suite's; each session gets its own". A store in a folder of the
+profile's ``[store] test_devices`` (the only other place the load allows, see
+:func:`tvc.config.checks.resolve_store_paths`) gets its own session folder in that
+folder the same way; a device node is left as the profile says, and the contract
+tier's per-run nonce keeps its prompts unknown to it.
 
 Ownership: the suite deletes only folders it made. Every folder made here holds an
 ownership marker (:data:`OWNER_MARKER`, JSON with the suite's name, the creating
@@ -30,7 +32,8 @@ process id and the folder's id) written right after ``mkdir``; a folder is remov
 only when its marker is present and names this session (end of session) or a dead
 process with the folder's own ``<pid>-<id>`` (a killed run). A
 ``run-stores/<pid>-<id>/`` folder someone else made, or a marker copied elsewhere, is
-left alone.
+left alone, and so is a session folder another program wrote in (marked ``kept``,
+:func:`note_foreign_writer`).
 :func:`make_owned_dir`, :func:`owner_of` and :func:`remove_owned_dir` are the same
 rule for other suite-made folders (the store pool uses them).
 """
@@ -43,9 +46,11 @@ import copy
 import json
 import os
 import shutil
+import stat
+import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +122,13 @@ def make_owned_dir(path: Path, folder_id: str = "") -> Path:
 def ownership_problem(path: Path) -> str:
     """Why the suite may not write or delete in folder ``path`` ('' when it may).
 
-    The suite owns a folder it created (this run or an earlier one: it holds the
-    suite's :data:`OWNER_MARKER`), one that does not exist yet (the suite creates
-    and marks it, :func:`claim_dir`) and an existing empty folder (adopted:
-    :func:`claim_dir` marks it). Anything else -- a folder of someone's files, a
-    file, a symlinked marker, a folder that cannot be read -- is not the suite's.
+    Ownership is by creation: the suite owns a folder it created (this run, or an
+    earlier one: the folder holds the suite's :data:`OWNER_MARKER`) and one that
+    does not exist yet (the suite creates and marks it, :func:`claim_dir`).
+    Anything else is not the suite's: an existing folder without the marker,
+    even an empty one (another program may be about to write there: an empty
+    ``/var/tmp`` is no invitation), a file, a symlinked marker, a folder that
+    cannot be read.
 
     Args:
         path: an absolute, normalised path.
@@ -144,10 +151,9 @@ def ownership_problem(path: Path) -> str:
             entries = sum(1 for _ in it)
     except OSError as exc:
         return f"not usable ({exc.strerror or type(exc).__name__})"
-    if entries == 0:
-        return ""
-    return (f"an existing folder of {entries} entries the suite did not create (no "
-            f"{OWNER_MARKER} marker)")
+    what = "an existing empty folder" if entries == 0 else (
+        f"an existing folder of {entries} entries")
+    return f"{what} the suite did not create (no {OWNER_MARKER} marker)"
 
 
 class NotOwnedError(OSError):
@@ -155,13 +161,16 @@ class NotOwnedError(OSError):
 
 
 def claim_dir(path: Path, adopt_unmarked: bool = False) -> Path:
-    """Make ``path`` a folder the suite owns: create and mark it, or adopt it.
+    """Make ``path`` a folder the suite owns: create and mark it.
+
+    The folder is created here (``mkdir``, never ``exist_ok``): a folder that
+    appears between the check and the ``mkdir`` is someone else's and refused.
 
     Args:
         path: the folder (absolute).
-        adopt_unmarked: also mark an existing non-empty folder without a marker
-            (only for the suite's own ``<repo>/.scratch`` area, whose folders
-            predate markers).
+        adopt_unmarked: also mark an existing folder without a marker (only for
+            the suite's own ``<checkout>/.scratch/<name>``, whose folders predate
+            markers).
 
     Returns:
         ``path``, an existing folder holding the suite's marker.
@@ -171,16 +180,20 @@ def claim_dir(path: Path, adopt_unmarked: bool = False) -> Path:
             (:func:`ownership_problem`).
 
     """
-    why = "" if adopt_unmarked and path.is_dir() and not path.is_symlink() else (
-        ownership_problem(path))
+    if adopt_unmarked and path.is_dir() and not path.is_symlink():
+        if owner_of(path) is None:
+            with contextlib.suppress(FileExistsError):
+                _write_marker(path / OWNER_MARKER, {**_facts(), "adopted": True})
+        return path
+    why = ownership_problem(path)
     if why:
         raise NotOwnedError(f"{path}: {why}")
-    if not path.exists():
-        with contextlib.suppress(FileExistsError):
-            make_owned_dir(path)
     if owner_of(path) is None:
-        with contextlib.suppress(FileExistsError):
-            _write_marker(path / OWNER_MARKER, {**_facts(), "adopted": True})
+        try:
+            make_owned_dir(path)
+        except FileExistsError:
+            raise NotOwnedError(f"{path}: created by another program meanwhile (the "
+                                "suite owns only folders it creates)") from None
     return path
 
 
@@ -205,6 +218,21 @@ def owned_ancestor(path: Path) -> Path | None:
     """The nearest folder at or above ``path`` that holds the suite's marker."""
     for folder in (_norm(path), *_norm(path).parents):
         if owner_of(folder) is not None:
+            return folder
+    return None
+
+
+def made_in_this_run(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that this process made in this run.
+
+    That is a folder whose marker names this process (``pid``) and this run
+    (:data:`RUN_ID`): a session store folder (:func:`session_store_root`), never
+    a folder an earlier run marked or one the suite adopted.
+    """
+    for folder in (_norm(path), *_norm(path).parents):
+        facts = owner_of(folder)
+        if facts is not None and facts.get("pid") == os.getpid() and (
+                facts.get("run") == RUN_ID) and not facts.get("adopted"):
             return folder
     return None
 
@@ -308,7 +336,8 @@ def remove_orphaned_stores(scratch: Path) -> list[Path]:
 
     A folder goes only when the suite's marker in it names that same pid and id
     and the process no longer runs; anything else (no marker, another pid, a live
-    process, a symlink) is left alone.
+    process, a symlink, a folder kept because another program wrote in it) is
+    left alone.
 
     Args:
         scratch: the profile's scratch directory.
@@ -323,7 +352,8 @@ def remove_orphaned_stores(scratch: Path) -> list[Path]:
         return removed
     for folder in sorted(parent.iterdir()):
         name = _split_name(folder)
-        if name is None or name[0] == os.getpid() or psutil.pid_exists(name[0]):
+        if name is None or name[0] == os.getpid() or psutil.pid_exists(name[0]) or (
+                (owner_of(folder) or {}).get("kept")):
             continue
         if remove_owned_dir(folder, pid=name[0], folder_id=name[1]):
             removed.append(folder)
@@ -365,8 +395,89 @@ def session_store_root(scratch: Path) -> Path:
     return root
 
 
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_mtime_ns, st_size
+SETTLE_S = 0.1  # a folder no one writes in shows no change for this long (a writer
+#   of many files a second changes one within it; mtimes are at most ~10 ms coarse)
+MAX_LOAD_FACTOR = 10.0  # settle_s grows with the box's load up to 10x
+
+
+def file_identities(root: Path) -> dict[Path, Identity]:
+    """Every regular file under ``root`` (no symlinks) with its identity."""
+    out = {}
+    for p in root.rglob("*") if root.is_dir() and not root.is_symlink() else ():
+        with contextlib.suppress(OSError):
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode):
+                out[p] = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def settle_s() -> float:
+    """:data:`SETTLE_S`, longer on a box with more runnable tasks than CPUs.
+
+    Another writer gets its share of the CPU, not all of it: on a box loaded N
+    times over it needs N times as long to show its next write.
+    """
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        load = 1.0
+    return SETTLE_S * min(max(1.0, load), MAX_LOAD_FACTOR)
+
+
+def _written_now(root: Path) -> Path | None:
+    """A file that changes under ``root`` within a settle time (None: quiet)."""
+    before = file_identities(root)
+    time.sleep(settle_s())
+    after = file_identities(root)
+    changed = sorted(p for p in before.keys() | after.keys()
+                     if before.get(p) != after.get(p))
+    return changed[0] if changed else None
+
+
+# session store root -> a file another program changed in it (seen by the store
+# fault injector): the folder is kept at the end, not removed with that file
+_FOREIGN: dict[Path, Path] = {}
+
+
+def note_foreign_writer(inside: Path, file: Path) -> None:
+    """Remember that another program writes in this session's store folder.
+
+    The session's clean-up then keeps that folder (marked ``kept``, which the
+    next runs respect too) and says so in one line, instead of removing the
+    other program's files with the suite's.
+
+    Args:
+        inside: a folder in the session store folder (the injector's root).
+        file: the file that changed.
+
+    """
+    for root in _ROOTS.values():
+        if _norm(inside).is_relative_to(root):
+            _FOREIGN.setdefault(root, file)
+
+
+def _keep(root: Path, file: Path) -> None:
+    facts = owner_of(root)
+    if facts is None:
+        return
+    tmp = root / f"{OWNER_MARKER}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        _write_marker(tmp, {**facts, "kept": f"another program wrote {file}"})
+        os.replace(tmp, root / OWNER_MARKER)
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"tvc: kept {root}: another program wrote {file} in it; "
+                         "the suite removes only stores it alone wrote: remove the "
+                         "folder once that program is done\n")
+
+
 def remove_session_stores(scratch: Path | None = None) -> list[Path]:
     """Remove the store folders this process made (end of the session).
+
+    A folder another program wrote in is kept instead, marked ``kept`` and named
+    in one line on stderr: one the fault injector saw written by another
+    (:func:`note_foreign_writer`), or one whose files still change over a settle
+    time (:func:`settle_s`) now that the session's connectors are stopped.
 
     Args:
         scratch: only the folder under this scratch directory; None = all.
@@ -384,42 +495,82 @@ def remove_session_stores(scratch: Path | None = None) -> list[Path]:
         if root is None:
             continue
         name = _split_name(root)
-        if name is not None and remove_owned_dir(root, pid=os.getpid(),
-                                                 folder_id=name[1]):
+        foreign = _FOREIGN.pop(root, None) or _written_now(root)
+        if foreign is not None:  # the session's connectors are stopped by now
+            _keep(root, foreign)
+        elif name is not None and remove_owned_dir(root, pid=os.getpid(),
+                                                   folder_id=name[1]):
             removed.append(root)
         remove_if_only_marker(root.parent)
     return removed
 
 
-def _relocate(value: Any, scratch: Path, root: Path) -> Any:
+FILE_URL = "file://"  # the form a resolved file URL takes: file:///abs/path
+
+
+def resolved_path_of(value: Any) -> tuple[str, str] | None:
+    """``(prefix, absolute path)`` of a resolved store path string, else None.
+
+    The load resolved every store path of ``extra_config``
+    (:func:`tvc.config.checks.resolve_store_paths`): an absolute path, or a
+    ``file://`` URL of one.
+    """
+    if not isinstance(value, str) or not value:
+        return None
+    prefix = FILE_URL if value.startswith(FILE_URL + "/") else ""
+    path = value[len(prefix):]
+    return (prefix, path) if os.path.isabs(path) else None
+
+
+def _relocate(value: Any, moves: list[tuple[Path, Path]]) -> Any:
     if isinstance(value, Mapping):
-        return {k: _relocate(v, scratch, root) for k, v in value.items()}
+        return {k: _relocate(v, moves) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_relocate(v, scratch, root) for v in value)
-    if isinstance(value, str) and value and os.path.isabs(
-            os.path.expanduser(value)):
-        path = _norm(value)
+        return type(value)(_relocate(v, moves) for v in value)
+    found = resolved_path_of(value)
+    if found is None:
+        return value
+    prefix, text = found
+    path = _norm(text)
+    for base, root in moves:
         if path.is_relative_to(root):
             return value  # already this session's
-        if path.is_relative_to(scratch):
-            return str(root / path.relative_to(scratch))
+        if path.is_relative_to(base):
+            return prefix + str(root / path.relative_to(base))
     return value
 
 
+def _mentions(value: Any, base: Path) -> bool:
+    if isinstance(value, Mapping):
+        return any(_mentions(v, base) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_mentions(v, base) for v in value)
+    found = resolved_path_of(value)
+    return found is not None and _norm(found[1]).is_relative_to(base)
+
+
 def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
-                        root: Path | None = None) -> dict[str, Any]:
-    """A copy of ``kv_transfer_config`` whose scratch store paths are this session's.
+                        root: Path | None = None,
+                        devices: Sequence[str | os.PathLike[str]] = ()
+                        ) -> dict[str, Any]:
+    """A copy of ``kv_transfer_config`` whose store paths are this session's.
 
     Every string in ``kv_connector_extra_config`` (nested dicts and lists included)
-    that is an absolute path equal to or inside ``scratch`` is moved to the same
-    relative path under ``root``; everything else is kept as it is.
+    that is an absolute path (or a ``file://`` URL of one) equal to or inside
+    ``scratch`` is moved to the same relative path under ``root``; one inside a
+    test-device folder ``D`` of ``devices`` goes under D's own session folder
+    ``D/run-stores/<pid>-<hex>/``. So every store a connector writes is a folder
+    this process created in this run. Everything else is kept as it is.
 
     Args:
         kv_transfer_config: the dict vLLM takes (``profile.kv_transfer_config()``
             or a test's variation of it); not modified.
         scratch: the profile's scratch directory (``profile.scratch``).
-        root: the folder to move paths into; default :func:`session_store_root`
-            of ``scratch`` (created only when a path needs moving).
+        root: the folder to move scratch paths into; default
+            :func:`session_store_root` of ``scratch`` (created only when a path
+            needs moving).
+        devices: the profile's ``[store] test_devices``; their folders (not
+            device nodes) get session folders too.
 
     Returns:
         the rewritten copy, e.g. ``{"shared_storage_path":
@@ -431,20 +582,18 @@ def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
     extra = out.get(EXTRA_CONFIG_KEY)
     if not isinstance(extra, Mapping):
         return out
+    moves: list[tuple[Path, Path]] = []
     scratch_n = _norm(scratch)
-    if root is None:
-        if not _mentions_scratch(extra, scratch_n):
-            return out
-        root = session_store_root(scratch_n)
-    out[EXTRA_CONFIG_KEY] = _relocate(extra, scratch_n, _norm(root))
+    if root is not None:
+        moves.append((scratch_n, _norm(root)))
+    elif _mentions(extra, scratch_n):
+        moves.append((scratch_n, session_store_root(scratch_n)))
+    for dev in devices:
+        base = _norm(dev)
+        if base.is_dir() and not base.is_relative_to(scratch_n) and _mentions(
+                extra, base):
+            moves.append((base, session_store_root(base)))
+    # the deepest base first: a device folder inside another is its own
+    moves.sort(key=lambda m: len(m[0].parts), reverse=True)
+    out[EXTRA_CONFIG_KEY] = _relocate(extra, moves)
     return out
-
-
-def _mentions_scratch(value: Any, scratch: Path) -> bool:
-    if isinstance(value, Mapping):
-        return any(_mentions_scratch(v, scratch) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_mentions_scratch(v, scratch) for v in value)
-    return (isinstance(value, str) and bool(value)
-            and os.path.isabs(os.path.expanduser(value))
-            and _norm(value).is_relative_to(scratch))

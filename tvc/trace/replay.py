@@ -59,6 +59,7 @@ import numpy as np
 import requests
 
 from tvc.config.profile import DATA_DIR
+from tvc.core.files import write_file
 from tvc.procs.client import (
     COMPUTE_SOURCE_LABEL,
     EXTERNAL_HITS_METRIC,
@@ -963,8 +964,7 @@ def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) ->
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:
     """Write ``data`` as indented JSON, creating the parent folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return path
+    return write_file(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------

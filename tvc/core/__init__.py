@@ -1,0 +1,1 @@
+"""Ground-floor helpers: paths, ownership, files (no pytest imports)."""

@@ -1,0 +1,233 @@
+"""The run folder: resolved once, created fresh or an earlier run's, locked.
+
+Every run writes ``junit.xml``, ``summary.json`` and the summary page into one run
+folder: ``reports/<UTC time>-<profile>/`` by default (a new name, made with
+``mkdir`` so two runs started in the same second get ``-2``, ``-3``...), or the one
+``--tvc-report-dir`` / ``TVC_REPORT_DIR`` names (new, empty, or an earlier run's).
+:func:`open_run_dir` resolves that path once (``~`` expanded, links followed,
+bounded: a name longer than ``NAME_MAX`` or a path the process may not resolve is
+one clear error, never a traceback), creates it and takes its lock
+(:data:`LOCK_NAME`, ``flock``: released when the run ends or its process dies), so
+a second run on a folder in use is refused in one line instead of mixing two
+runs' files. Files are then written with :func:`tvc.core.files.write_file` (never
+through a link).
+
+Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from tvc.config.paths import reports_root
+
+LOCK_NAME = ".tvc-run.lock"  # held (flock) by the run writing in the folder
+MAX_PATH_CHARS = 4096  # Linux PATH_MAX (limits.h)
+MAX_NAME_CHARS = 255  # Linux NAME_MAX (limits.h)
+_OWN_NAMES = (LOCK_NAME,)  # the suite's own files that do not make a folder "used"
+# what a run writes in its folder: (name, is a folder); pytest writes junit.xml
+# itself, through links, so none may be there
+RUN_FILES = (("junit.xml", False), ("summary.json", False), ("summary.md", False),
+             ("summary.html", False), ("timeline.json", False),
+             ("bandwidth.json", False), ("bandwidth.png", False), ("charts", True),
+             ("timeline", True), ("trace", True))
+
+
+class RunFolderUnusable(ValueError):
+    """The run folder cannot be used; the message is one line."""
+
+
+def _why(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or type(exc).__name__
+
+
+def resolve_run_dir(text: str) -> Path:
+    """The absolute path a run-folder setting names (``~`` expanded, links followed).
+
+    Raises:
+        RunFolderUnusable: a NUL byte, an unknown ``~user``, longer than a path or
+            a name can be, or a path that cannot be resolved (``/proc/1/cwd``).
+
+    """
+    if "\0" in text:
+        raise RunFolderUnusable(f"{text!r} contains a NUL byte")
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise RunFolderUnusable(f"cannot expand {expanded.split('/', 1)[0]!r}: no "
+                                "such user")
+    if len(expanded.encode()) > MAX_PATH_CHARS or any(
+            len(part.encode()) > MAX_NAME_CHARS for part in expanded.split("/")):
+        raise RunFolderUnusable(
+            f"{expanded[:60]!r}... is longer than a path can be ({MAX_PATH_CHARS} "
+            f"bytes, {MAX_NAME_CHARS} per name)")
+    try:
+        return Path(expanded).resolve()
+    except (OSError, RuntimeError) as exc:
+        raise RunFolderUnusable(f"{expanded} cannot be resolved ({_why(exc)})"
+                                ) from None
+
+
+def default_run_dir(profile_name: str, selftests: bool = False,
+                    invocation_dir: Path | None = None) -> Path:
+    """A fresh run folder name: ``reports/<YYYYmmdd-HHMMSS>-<profile>``.
+
+    ``reports/`` is :func:`tvc.config.paths.reports_root`: ``$TVC_REPORTS_ROOT``
+    (the self-tests use it so that they never touch a user's reports/), the
+    checkout's ``reports/``, or, installed, ``./reports`` of ``invocation_dir``.
+    :func:`open_run_dir` with ``fresh=True`` adds ``-2``, ``-3``... when taken.
+
+    Args:
+        profile_name: the profile's name (the folder's suffix).
+        selftests: a run of the suite's own tests (``selftests/``): the folder goes
+            under ``reports/selftests/``, so it never becomes ``reports/latest``
+            (which names the newest conformance run).
+        invocation_dir: the directory pytest was started in (default: the
+            current directory).
+
+    Raises:
+        RunFolderUnusable: ``$TVC_REPORTS_ROOT`` cannot be resolved.
+
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        base_root = reports_root(invocation_dir)
+    except (OSError, RuntimeError) as exc:
+        raise RunFolderUnusable(f"TVC_REPORTS_ROOT cannot be resolved ({_why(exc)})"
+                                ) from None
+    root = base_root / "selftests" if selftests else base_root
+    return root / f"{stamp}-{profile_name}"
+
+
+def holds_suite_run(path: Path) -> bool:
+    """True when ``path/summary.json`` is one this suite wrote.
+
+    That is a JSON object with ``run``, ``counts`` and ``tests``: reusing such a
+    folder overwrites only the suite's own files; a user's file of that name does
+    not qualify.
+    """
+    from tvc.core.files import read_json
+
+    try:
+        data = read_json(path / "summary.json")
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"run", "counts", "tests"} <= data.keys()
+
+
+def check_run_dir(path: Path) -> str:
+    """Why ``path`` cannot be a run folder ('' when it can).
+
+    A run folder must be a directory this user can create and write, and must not
+    be a non-empty directory that holds anything but an earlier run (so a stray
+    ``--tvc-report-dir=.`` never mixes reports into someone's files).
+    """
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            return f"{path} exists and is not a directory"
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if not os.access(probe, os.W_OK | os.X_OK):
+            return f"{probe} is not writable by this user"
+        if path.is_dir() and any(p.name not in _OWN_NAMES for p in path.iterdir()
+                                 ) and not holds_suite_run(path):
+            return (f"{path} is a non-empty folder that holds no earlier run of "
+                    "this suite (a summary.json it wrote); choose an empty or new "
+                    "folder")
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tvc-write-test-"):
+            pass
+    except OSError as exc:  # the only sure test: create it and write into it
+        return f"{path} cannot be created or written ({_why(exc)})"
+    return ""
+
+
+def _create_fresh(base: Path) -> Path:
+    """Make ``base``, else ``base-2``, ``base-3``...: a folder no one else made."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"{base} and 999 more names are taken")
+
+
+def _lock(path: Path) -> int:
+    """Take the folder's lock (held by the returned descriptor)."""
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = {}
+        with contextlib.suppress(OSError, ValueError):
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        os.close(fd)
+        raise RunFolderUnusable(
+            f"{path} is in use by another run (pid {holder.get('pid', '?')}, "
+            f"started {holder.get('started_utc', '?')}); give each run its own "
+            "folder") from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "started_utc": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+    return fd
+
+
+def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
+    """Create (or reuse) the run folder and lock it for this run.
+
+    Args:
+        path: the folder (resolved: :func:`resolve_run_dir`, or
+            :func:`default_run_dir`).
+        fresh: make a new folder (``path``, else ``path-2``...); otherwise
+            ``path`` may exist when it is empty or holds an earlier run
+            (:func:`check_run_dir`).
+
+    Returns:
+        ``(folder, lock descriptor)``; :func:`release` it once the reports
+        are written (the process's end releases it too).
+
+    Raises:
+        RunFolderUnusable: one line: not a folder, not writable, someone's files,
+            in use by another run, a link where a report goes (:data:`RUN_FILES`).
+
+    """
+    try:
+        if fresh:
+            path = _create_fresh(path)
+        else:
+            why = check_run_dir(path)
+            if why:
+                raise RunFolderUnusable(why)
+        fd = _lock(path)
+    except OSError as exc:
+        raise RunFolderUnusable(f"{path} cannot be created or written "
+                                f"({_why(exc)})") from None
+    for name, folder in RUN_FILES:  # a link in the way: refused now, not mid-run
+        p = path / name
+        if p.is_symlink() or (p.exists() and p.is_dir() != folder):
+            release(fd)
+            raise RunFolderUnusable(
+                f"{p} is {'a symbolic link' if p.is_symlink() else 'in the way'}; "
+                "the suite writes only its own files, never through a link: remove "
+                "it")
+    return path, fd
+
+
+def release(fd: int) -> None:
+    """Release the folder's lock (call once, when the reports are written)."""
+    with contextlib.suppress(OSError):
+        os.close(fd)

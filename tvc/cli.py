@@ -86,19 +86,38 @@ def strict_levels(profile: Any) -> list[str]:
 
 
 def find_root(given: str | None) -> Path | None:
-    """The folder holding ``suites/``.
+    """The folder holding the suite's ``suites/``.
 
-    ``--root``, else the current folder, else the checkout the package was
-    imported from; None when none has one.
+    ``--root``; else the current folder when it is a checkout of the suite
+    (``suites/`` and ``tvc/data/markers.ini``); else the suite ``tvc`` was
+    imported from: its checkout, or the installed package (``tvc/suites``).
+    None when the folder given holds no ``suites/``.
     """
     if given:
-        return Path(given).resolve()
-    from tvc.config.profile import REPO_ROOT
+        root = Path(given).resolve()
+        return root if (root / "suites").is_dir() else None
+    from tvc.config.paths import suites_dir
 
-    for cand in (Path.cwd(), REPO_ROOT):
-        if (cand / "suites").is_dir():
-            return cand.resolve()
-    return None
+    here = Path.cwd()
+    if (here / "suites").is_dir() and (here / "tvc/data/markers.ini").is_file():
+        return here.resolve()
+    return suites_dir().parent.resolve()
+
+
+def is_checkout(root: Path) -> bool:
+    """Whether ``root`` is a source tree of the suite (``pyproject.toml``, ``suites/``)."""
+    return (root / "pyproject.toml").is_file() and (root / "suites").is_dir()
+
+
+def reports_dir(root: Path, env: dict[str, str]) -> Path:
+    """Where a certification's run folder goes (never into an installed package).
+
+    ``$TVC_REPORTS_ROOT``; ``<root>/reports`` in a checkout; else ``./reports``
+    of the current folder (:func:`tvc.config.paths.reports_root`'s rule).
+    """
+    if env.get("TVC_REPORTS_ROOT"):
+        return Path(env["TVC_REPORTS_ROOT"]).expanduser().resolve()
+    return (root if is_checkout(root) else Path.cwd().resolve()) / "reports"
 
 
 def tier_paths(root: Path) -> list[str]:
@@ -167,7 +186,7 @@ def certify_verdict(rc: int, partial: Sequence[str], known: int) -> str:
 
 
 def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = None,
-            env: dict[str, str] | None = None) -> int:
+            env: dict[str, str] | None = None, dry_run: bool = False) -> int:
     """Certify one profile: every tier, strict mode, one run folder.
 
     Args:
@@ -178,10 +197,11 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         root_arg: the folder holding ``suites/`` (default: :func:`find_root`).
         env: the environment (default ``os.environ``): ``CERTIFY_WORKERS``
             (xdist workers, default :func:`default_workers`, 0 = none),
-            ``TVC_REPORTS_ROOT`` (where the
-            run folder goes, default ``<root>/reports``), ``CERTIFY_DRY_RUN=1``
-            (print the pytest command only), ``CERTIFY_HW_CHECK=0`` (run a
-            full certification even where the box lacks hardware it needs).
+            ``TVC_REPORTS_ROOT`` (where the run folder goes, default
+            :func:`reports_dir`), ``CERTIFY_DRY_RUN=1`` (as ``dry_run``),
+            ``CERTIFY_HW_CHECK=0`` (run a full certification even where the
+            box lacks hardware it needs).
+        dry_run: print the plan (pytest command, folder, run folder) only.
 
     Returns:
         pytest's exit status (0 = certified, or passed a selection); 1 before
@@ -212,10 +232,11 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     workers = int(raw)
     if ("/" in profile or profile.endswith(".toml")) and Path(profile).exists():
         profile = str(Path(profile).resolve())
+    dry_run = dry_run or bool(env.get("CERTIFY_DRY_RUN"))
     root = find_root(root_arg)
-    if root is None or not (root / "suites").is_dir():
-        _err("certify", f"no suites/ folder in {root or Path.cwd()}: run from the "
-             "suite's checkout or give --root")
+    if root is None:
+        _err("certify", f"--root {root_arg}: no suites/ folder there; give a "
+             "checkout of the suite or the installed package's tvc/ folder")
         return 2
     from tvc.config.profile import ProfileError, load
 
@@ -226,7 +247,7 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         return 4
     require = ",".join(strict_levels(prof))
     if not selects(pytest_args) and env.get("CERTIFY_HW_CHECK", "1") != "0" \
-            and not env.get("CERTIFY_DRY_RUN"):
+            and not dry_run:
         from tvc.env.hardware import probe_profile, skip_reason
 
         hw = probe_profile(prof)
@@ -239,10 +260,20 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
                  f"{', '.join(absent)} (CERTIFY_HW_CHECK=0 runs it anyway; each test "
                  "that needs it then fails)")
             return 1
-    reports = Path(env.get("TVC_REPORTS_ROOT") or root / "reports")
-    run_dir = reports / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}" \
-                        f"-certify-{prof.name}"
+    run_dir = reports_dir(root, env) / \
+        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-certify-{prof.name}"
     tiers = tier_paths(root)
+    # in a checkout pytest starts there (its pyproject.toml applies); installed,
+    # it starts where the user stands (never in site-packages: its folders
+    # would shadow modules), given the package's tests and --rootdir, so the
+    # node ids read suites/<tier>/... as in a checkout
+    cwd, where = root, []
+    if not is_checkout(root):
+        cwd = Path.cwd()
+        tiers = [str(root / t) for t in tiers]
+        pytest_args = [str(root / a) if a.startswith("suites/") else a
+                       for a in pytest_args]
+        where = [f"--rootdir={root}", "-o", "junit_family=xunit1"]
     print(f"certify: profile {prof.name} ({profile}), strict: {require}, tiers: "
           f"{' '.join(t.removeprefix('suites/') for t in tiers)}")
     print(f"certify: run folder {run_dir}")
@@ -264,14 +295,15 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     depth = [] if any(a.startswith("--tvc-depth") for a in pytest_args) or env.get(
         "TVC_DEPTH") else [f"--tvc-depth={CERTIFY_DEPTH}"]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist,
-           *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
+           *where, *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
            f"--tvc-report-dir={run_dir}", *depth, *pytest_args]
-    if env.get("CERTIFY_DRY_RUN"):
+    if dry_run:
+        print(f"certify: dry run: pytest would start in {cwd}")
         print(shlex.join(cmd))
         return 0
     sys.stdout.flush()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=root, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
 
     def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGHUP: pytest's own
         proc.send_signal(signum)
@@ -397,7 +429,11 @@ def parser() -> argparse.ArgumentParser:
                        "cores/2 - 2 others, 3 to 10; 0 = none), "
                        "TVC_REPORTS_ROOT, CERTIFY_DRY_RUN=1.")
     c.add_argument("--root", help="folder holding suites/ (default: the current "
-                   "folder, else the checkout tvc was imported from)")
+                   "folder when it is a checkout of the suite, else the suite tvc "
+                   "was imported from: its checkout or the installed package)")
+    c.add_argument("--dry-run", action="store_true", help="print the pytest "
+                   "command, where it starts and the run folder; run nothing "
+                   "(also after PROFILE)")
     c.add_argument("profile", help="built-in profile name or TOML path")
     c.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="passed to pytest (-k, -x, --tvc-gpus=0,1 ...)")
@@ -427,7 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parser().parse_args(argv)
     if args.command == "certify":
-        return certify(args.profile, args.pytest_args, args.root)
+        rest = [a for a in args.pytest_args if a != "--dry-run"]
+        return certify(args.profile, rest, args.root,
+                       dry_run=args.dry_run or len(rest) < len(args.pytest_args))
     if args.command == "summary":
         return summary_cmd(args.run_dir)
     return merge_cmd(args.run_dirs, args.out)

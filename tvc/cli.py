@@ -105,7 +105,7 @@ def find_root(given: str | None) -> Path | None:
 
 
 def is_checkout(root: Path) -> bool:
-    """Whether ``root`` is a source tree of the suite (``pyproject.toml``, ``suites/``)."""
+    """Whether ``root`` is a source tree of the suite (pyproject.toml, suites/)."""
     return (root / "pyproject.toml").is_file() and (root / "suites").is_dir()
 
 
@@ -364,13 +364,12 @@ def summary_cmd(run_dir: str) -> int:
             print(f"  {h['label']}: {h['verdict']} ({h['why']})")
     else:
         from tvc.plugin.summary_page import write_page
+        from tvc.report.outcome import headline, verdict
 
         notes: list[str] = []
         files = write_page(d, notes)
-        from tvc.plugin.summary_page import verdict
-
         word, why = verdict(s)
-        print(f"{word}: {why}")
+        print(f"{headline(s)}: {why}")
         for note in notes:
             print(note)
     c = s.get("counts") or {}

@@ -140,7 +140,9 @@ def test_summary_rerenders_the_page_and_prints_the_verdict(tmp_path, capsys
     assert "`test_cold_prompt_matches_nothing`: failed here" in md
     green = make_run(tmp_path, "g", "h1", ["passed", "passed", "passed"])
     assert cli.main(["summary", str(green)]) == 0
-    assert capsys.readouterr().out.startswith("PASS: 3 passed, 0 skipped")
+    # a run of two tiers says so (tvc.report.scope)
+    assert capsys.readouterr().out.startswith(
+        "PASS (scope, level1 and contract only): 3 passed, 0 skipped")
 
 
 # -------------------------------------------------------------------- merge

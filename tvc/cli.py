@@ -11,6 +11,9 @@
     one fleet summary and one JUnit file from run folders of many hosts
     (:mod:`tvc.plugin.fleet`); exits 0 when every run passed, 1 otherwise, 2 for a
     bad folder.
+``tvc verify RUN_DIR``
+    accepts (0) or refuses (1) a certify run's ``certification.json``
+    (:mod:`tvc.report.certification`); 2 when the folder holds none.
 
 Documented in ``docs/cli.md``. Importing this module is cheap (argparse only):
 each command imports what it needs.
@@ -64,25 +67,12 @@ def _err(prefix: str, text: str) -> None:
 def strict_levels(profile: Any) -> list[str]:
     """The ``--tvc-require`` levels a certification of ``profile`` uses.
 
-    ``gpu`` always; ``gpu2`` when a tensor-parallel size above 1 or a
-    prefill/decode pair is claimed (``[vllm] tensor_parallel_sizes``,
-    ``[pd] enabled``); ``nvme`` when it has a store (``[store] path`` or
-    ``[daemon] device_globs``). Missing hardware then fails instead of skipping.
-
-    Args:
-        profile: a loaded :class:`tvc.config.profile.Profile`.
-
-    Returns:
-        the levels, in that order.
-
+    :func:`tvc.report.certification.claimed_levels`: missing hardware then
+    fails instead of skipping.
     """
-    need = ["gpu"]
-    if any(n > 1 for n in profile["vllm"]["tensor_parallel_sizes"]) or profile[
-            "pd"]["enabled"]:
-        need.append("gpu2")
-    if profile["store"]["path"] or profile["daemon"]["device_globs"]:
-        need.append("nvme")
-    return need
+    from tvc.report.certification import claimed_levels
+
+    return claimed_levels(profile)
 
 
 def find_root(given: str | None) -> Path | None:
@@ -129,6 +119,68 @@ def tier_paths(root: Path) -> list[str]:
         if d.is_dir() and not d.name.startswith(("_", ".")) and rel not in tiers:
             tiers.append(rel)
     return tiers
+
+
+def pytest_target(root: Path) -> tuple[Path, list[str], list[str]]:
+    """Where a pytest run over the suite at ``root`` starts, its tiers, its options.
+
+    In a checkout pytest starts there (its ``pyproject.toml`` applies) on
+    ``suites/<tier>``. Installed, it starts where the user stands (never in
+    site-packages, whose folders would shadow modules) on the package's tests,
+    with ``--rootdir`` at the package so node ids read ``suites/<tier>/...`` as
+    in a checkout, and the JUnit family that keeps test properties.
+
+    Returns:
+        (folder to start in, tier paths, extra pytest options).
+
+    """
+    tiers = tier_paths(root)
+    if is_checkout(root):
+        return root, tiers, []
+    return (Path.cwd(), [str(root / t) for t in tiers],
+            [f"--rootdir={root}", "-o", "junit_family=xunit1"])
+
+
+def certification_set(root: Path, profile: str, env: dict[str, str] | None = None
+                      ) -> dict[str, str]:
+    """Every test ``tvc certify PROFILE`` collects, with its hardware level.
+
+    Collected in a process of its own (:mod:`tvc.plugin.certset`).
+
+    Raises:
+        RuntimeError: the collection failed (its output's tail is in the message).
+
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    cwd, tiers, where = pytest_target(root)
+    with tempfile.TemporaryDirectory(prefix="tvc-certset-") as tmp:
+        out = Path(tmp) / "set.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "tvc.plugin.certset", str(out), *where, *tiers,
+             f"--tvc-profile={profile}"], cwd=cwd, env=env, capture_output=True,
+            text=True, timeout=600, check=False)
+        if proc.returncode != 0 or not out.is_file():
+            tail = " ".join((proc.stdout + proc.stderr).split()[-40:])
+            raise RuntimeError(f"collecting the certification set failed (pytest "
+                               f"exit {proc.returncode}): {tail}")
+        levels: dict[str, str] = json.loads(out.read_text())
+    return levels
+
+
+def suite_info(root: Path) -> dict[str, str]:
+    """The suite's version and the digest of its tests at ``root/suites``."""
+    import importlib.metadata as md
+
+    from tvc.report.certification import tests_digest
+
+    try:
+        version = md.version("tutti-vllm-conformance")
+    except md.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return {"version": version, "tests_digest": tests_digest(root / "suites")}
 
 
 def narrowed_by(summary: dict[str, Any]) -> str:
@@ -262,20 +314,13 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
             return 1
     run_dir = reports_dir(root, env) / \
         f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-certify-{prof.name}"
-    tiers = tier_paths(root)
-    # in a checkout pytest starts there (its pyproject.toml applies); installed,
-    # it starts where the user stands (never in site-packages: its folders
-    # would shadow modules), given the package's tests and --rootdir, so the
-    # node ids read suites/<tier>/... as in a checkout
-    cwd, where = root, []
+    names = [t.removeprefix("suites/") for t in tier_paths(root)]
+    cwd, tiers, where = pytest_target(root)
     if not is_checkout(root):
-        cwd = Path.cwd()
-        tiers = [str(root / t) for t in tiers]
         pytest_args = [str(root / a) if a.startswith("suites/") else a
                        for a in pytest_args]
-        where = [f"--rootdir={root}", "-o", "junit_family=xunit1"]
     print(f"certify: profile {prof.name} ({profile}), strict: {require}, tiers: "
-          f"{' '.join(t.removeprefix('suites/') for t in tiers)}")
+          f"{' '.join(names)}")
     print(f"certify: run folder {run_dir}")
     xdist: list[str] = []
     import importlib.util
@@ -330,9 +375,51 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         print(f"certify: finding ({f['outcome']}): {f['title']}; rerun: {f['rerun']}")
         known += f["outcome"] == "xfailed"
     verdict = certify_verdict(rc, partial, known)
+    refused = write_certification(run_dir, root, profile, prof, env) if summary \
+        else ["no summary.json"]
+    if refused and verdict.startswith("CERTIFIED"):  # e.g. a test of the set absent
+        verdict, rc = f"NOT certified: {refused[0]}", 1
     print(f"certify: {prof.name} {verdict} in {dt // 3600}h{dt % 3600 // 60:02d}m"
           f"{dt % 60:02d}s ({dt} s); rc={rc}; report {run_dir}/summary.html")
     return rc
+
+
+def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
+                        env: dict[str, str]) -> list[str]:
+    """Write the run's ``certification.json``; return why it does not hold.
+
+    Args:
+        run_dir: the certify run's folder (with ``summary.json``).
+        root: the folder holding ``suites/``.
+        profile: the profile as given to pytest.
+        prof: the loaded profile.
+        env: the run's environment.
+
+    Returns:
+        the certification's problems ([] when certified); a collection that
+        failed is one.
+
+    """
+    import json
+
+    from tvc.report import certification as cert
+
+    try:
+        levels = certification_set(root, profile, env)
+    except (RuntimeError, OSError) as exc:
+        print(f"certify: no certification.json: {exc}")
+        return [str(exc)]
+    data = (run_dir / "summary.json").read_bytes()
+    doc = cert.build(json.loads(data), data, levels, strict_levels(prof),
+                     suite_info(root), prof)
+    path = cert.write(run_dir, doc)
+    c = doc["counts"]
+    print(f"certify: {path}: {doc['set']['size']} test(s) in the certification set: "
+          f"{c['ok']} passed or known defects, {c['n/a']} not applicable, "
+          f"{c['refused']} not accepted" + (f" (first: {doc['problems'][0]})"
+                                            if doc["problems"] else ""))
+    problems: list[str] = doc["problems"]
+    return problems
 
 
 # ------------------------------------------------------------------- summary
@@ -412,6 +499,76 @@ def merge_cmd(run_dirs: Sequence[str], out: str) -> int:
     return 0 if f["verdict"] == "PASS" else 1
 
 
+# -------------------------------------------------------------------- verify
+
+def verify_cmd(run_dir: str, root_arg: str | None = None,
+               profile_arg: str | None = None) -> int:
+    """``tvc verify RUN_DIR``: accept or refuse a certify run's certification.
+
+    Checks ``certification.json`` (:mod:`tvc.report.certification`): its digest,
+    the ``summary.json`` and ``junit.xml`` beside it, the suite's tests and the
+    profile it names (loaded again: ``--profile``, else its file, else its
+    name), and every test of the certification set, collected again here.
+
+    Returns:
+        0 accepted, 1 refused (each reason printed), 2 not a certification or a
+        profile or suite that cannot be read (one line).
+
+    """
+    import json
+
+    from tvc.config.profile import ProfileError, load
+    from tvc.report import certification as cert
+
+    d = Path(run_dir)
+    try:
+        doc = cert.read(d)
+    except cert.CertificationError as exc:
+        _err("tvc verify", str(exc))
+        return 2
+    if not cert.digest_ok(doc):  # before the collection: nothing else counts
+        print(f"REFUSED: {d / cert.FILE}: {cert.DOCTORED}")
+        return 1
+    root = find_root(root_arg)
+    if root is None:
+        _err("tvc verify", f"--root {root_arg}: no suites/ folder there")
+        return 2
+    prof_doc = doc.get("profile") or {}
+    given = profile_arg or (prof_doc.get("source") if Path(
+        str(prof_doc.get("source"))).is_file() else prof_doc.get("name"))
+    try:
+        prof = load(str(given))
+        levels = certification_set(root, str(prof.source))
+    except (ProfileError, RuntimeError, OSError) as exc:
+        _err("tvc verify", f"cannot collect the certification set of profile "
+             f"{given!r}: {exc}".replace("\n", " "))
+        return 2
+    raw = {n: (d / n).read_bytes() if (d / n).is_file() else None
+           for n in ("summary.json", "junit.xml")}
+    try:
+        summary = json.loads(raw["summary.json"]) if raw["summary.json"] else None
+    except ValueError:
+        summary = None
+    problems = cert.check(doc, summary, raw["summary.json"], levels,
+                          suite_info(root), prof, raw["junit.xml"])
+    head = (f"{prof_doc.get('name')} ({prof_doc.get('connector')}), hardware "
+            f"{', '.join(doc.get('hardware', {}).get('levels') or [])}, "
+            f"{doc.get('set', {}).get('size')} test(s) in the set")
+    if problems:
+        print(f"REFUSED: {head}: {len(problems)} reason(s)")
+        for line in problems[:50]:
+            print(f"  {line}")
+        if len(problems) > 50:
+            print(f"  ... and {len(problems) - 50} more")
+        return 1
+    c, run = doc.get("counts") or {}, doc.get("run") or {}
+    print(f"ACCEPTED: {head}: {c.get('ok')} passed or known defects, "
+          f"{c.get('n/a')} not applicable; suite {doc['suite'].get('version')}, "
+          f"vLLM {doc.get('versions', {}).get('vllm')}, run "
+          f"{run.get('started_utc')} on {run.get('host')}")
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 def parser() -> argparse.ArgumentParser:
@@ -446,6 +603,17 @@ def parser() -> argparse.ArgumentParser:
                        "a Slurm array, Kubernetes Jobs) into one fleet summary and "
                        "one JUnit file in --out. Exit 0 when every run passed, 1 "
                        "otherwise, 2 for a bad folder.")
+    v = sub.add_parser("verify", help="accept or refuse a certify run's "
+                       "certification.json",
+                       description="Check RUN_DIR/certification.json: its digest, "
+                       "the summary.json and junit.xml beside it, the suite's tests "
+                       "and the profile, and every test of the certification set "
+                       "(collected again). Exit 0 accepted, 1 refused, 2 not a "
+                       "certification.")
+    v.add_argument("run_dir")
+    v.add_argument("--root", help="folder holding suites/ (default as for certify)")
+    v.add_argument("--profile", help="the certified profile, when its file is "
+                   "elsewhere here (built-in name or TOML path)")
     m.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     m.add_argument("--out", required=True, help="new or empty folder for the "
                    "fleet summary, or an earlier fleet summary's folder (replaced); "
@@ -467,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        dry_run=args.dry_run or len(rest) < len(args.pytest_args))
     if args.command == "summary":
         return summary_cmd(args.run_dir)
+    if args.command == "verify":
+        return verify_cmd(args.run_dir, args.root, args.profile)
     return merge_cmd(args.run_dirs, args.out)
 
 

@@ -593,6 +593,8 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
     config.stash[_RUN]["created_dir"] = not existed
     if not config.option.xmlpath:
         config.option.xmlpath = str(run_dir / "junit.xml")
+    from tvc.report.certification import claimed_levels
+
     meta = {
         "run": {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "args": " ".join(sys.argv[1:]), "require": sorted(require),
@@ -603,6 +605,7 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
                 "kind": "selftests" if own_tests else "conformance"},
         "profile": {"name": profile.name, "source": str(profile.source),
                     "connector": profile["connector"]["name"],
+                    "levels": claimed_levels(profile),
                     "kv_transfer_config": profile.kv_transfer_config(),
                     "vllm_env": dict(profile["vllm"]["env"]),
                     **_under_test(profile)},

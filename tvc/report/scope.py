@@ -65,8 +65,9 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
         order: the tiers in ladder order (default :func:`tier_order`).
 
     Returns:
-        ``complete`` (every tier of the ladder in the run, no hardware level
-        missing, nothing deselected by the user), ``line`` (one sentence),
+        ``complete`` (every tier of the ladder in the run, no hardware level the
+        profile claims (``profile.levels``) missing, nothing deselected by the
+        user), ``line`` (one sentence),
         ``tiers`` (tiers in the run), ``absent`` (tiers not in it),
         ``not_run`` (per missing level: ``level``, ``count``, ``by_tier``,
         ``where``), ``deselected`` (tests the user deselected), ``box``.
@@ -90,15 +91,23 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
     why = sorted({str(d.get("why")) for d in s.get("deselected") or ()
                   if not str(d.get("why", "")).startswith("[")})
     absent = [t for t in order if t not in present]
+    # levels the profile does not claim (a TP-1 profile's two-GPU tests) are
+    # outside its scope: their tests are listed, never asked for
+    claimed = set((s.get("profile") or {}).get("levels") or HW_LEVELS)
     out: dict[str, Any] = {
         "tiers": tiers, "absent": absent, "box": box, "deselected": user,
         "not_run": [{"level": lvl, "count": sum(missing[lvl].values()),
-                     "by_tier": dict(missing[lvl]), "where": WHERE[lvl]}
+                     "by_tier": dict(missing[lvl]), "where": WHERE[lvl],
+                     "claimed": lvl in claimed}
                     for lvl in HW_LEVELS if lvl in missing]}
-    if not tiers:  # the suite's own tests, or no test at all: no ladder to place
-        return {**out, "complete": True, "line": ""}
+    if not tiers or (s.get("run") or {}).get("kind") == "selftests":
+        return {**out, "complete": True, "line": ""}  # no ladder to place it on
+    missing = {lvl: c for lvl, c in missing.items() if lvl in claimed}
     out["complete"] = not (missing or absent or user)
-    name = next((SCOPE_NAME[lvl] for lvl in HW_LEVELS if lvl in missing), "scope")
+    name = "scope"
+    if missing:  # named by what the box lacks (no GPU: CPU scope)
+        name = SCOPE_NAME[next((lvl for lvl in HW_LEVELS if lvl in box
+                                and not box[lvl]), next(iter(missing)))]
     if absent:
         name += f", {' and '.join(tiers)} only"
     clauses = [f"{_hardware_clause(lvl, missing[lvl])} not run; certify on "
@@ -120,6 +129,7 @@ def _hardware_clause(level: str, by_tier: Counter[str]) -> str:
         parts.append(f"{rest.pop(DEVICE_TIER)} [cuda] variants")
     if rest:
         n = sum(rest.values())
-        parts.append(f"{n} {'other ' if parts else ''}{WHAT[level]} tests ("
+        parts.append(f"{n} {'other ' if parts else ''}{WHAT[level]} "
+                     f"test{'s' if n != 1 else ''} ("
                      + ", ".join(f"{t} {c}" for t, c in rest.items()) + ")")
     return " and ".join(parts)

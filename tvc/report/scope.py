@@ -86,10 +86,12 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
         if level:
             tier = (t.get("tiers") or ["other"])[0]
             missing.setdefault(level, Counter())[tier] += 1
-    user = sum(int(d.get("count", 0)) for d in s.get("deselected") or ()
-               if not str(d.get("why", "")).startswith("["))
-    why = sorted({str(d.get("why")) for d in s.get("deselected") or ()
-                  if not str(d.get("why", "")).startswith("[")})
+    # tests the user deselected within the tiers of the run (a tier left out
+    # whole, e.g. by -m, shows as absent)
+    rows = [d for d in s.get("deselected") or ()
+            if not str(d.get("why", "")).startswith("[") and d.get("tier") in present]
+    user = sum(int(d.get("count", 0)) for d in rows)
+    why = sorted({str(d.get("why")) for d in rows})
     absent = [t for t in order if t not in present]
     # levels the profile does not claim (a TP-1 profile's two-GPU tests) are
     # outside its scope: their tests are listed, never asked for

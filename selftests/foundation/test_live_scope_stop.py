@@ -126,7 +126,7 @@ def test_a_cpu_pass_states_its_scope(pytester, run) -> None:
             "host")
     assert summary["scope"]["line"] == line, summary["scope"]
     assert summary["scope"]["not_run"] == [{"level": "gpu", "count": 2, "by_tier": {
-        "contract": 2}, "where": "a GPU host"}]
+        "contract": 2}, "where": "a GPU host", "claimed": True}]
     assert summary["run"]["verdict"] == f"PASS ({line})"
     res.stdout.fnmatch_lines([f"tvc: PASS ({line}): 2 passed, 2 skipped"])
     md = (out / "summary.md").read_text()

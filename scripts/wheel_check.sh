@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The suite as a user gets it: build the wheel, install it into a clean venv, run
 #   pytest -m level1 --tvc-profile example
-# from a folder outside the checkout, and compare with the same run in the checkout.
+# from a folder outside the checkout, and compare with the same run in the checkout;
+# from the same folder, the installed `tvc certify --dry-run`, `tvc merge`,
+# `tvc summary` and `tvc verify` (run folders where the user stands).
 # Green when: the installed run exits 0 with passed > 0; its tests, outcomes and counts
 # equal the checkout's; `tvc` is imported from the install (the checkout is not
 # importable); nothing is written into site-packages but Python's __pycache__; the run
@@ -73,6 +75,34 @@ summary=$(ls "$work"/run/reports/*/summary.json 2>/dev/null | head -1)
 [ -n "$summary" ] || fail "no ./reports/<run>/summary.json under $work/run"
 [ -d "$work/cache/tutti-vllm-conformance/example" ] \
   || fail "the scratch is not under \$XDG_CACHE_HOME/tutti-vllm-conformance/example"
+
+# 3b. the tvc commands, installed, from the same folder: certify's dry run plans
+#     its run folder in ./reports and pytest's start here, on the package's tests;
+#     merge and summary read that run folder and write where they are told;
+#     verify refuses a run folder that holds no certification
+tvc=("${unset_suite_env[@]}" XDG_CACHE_HOME="$work/cache" "$work/venv/bin/tvc")
+env "${tvc[@]}" certify --dry-run example >"$work/dry.log" 2>&1 \
+  || { cat "$work/dry.log"; fail "tvc certify --dry-run exited non-zero"; }
+for want in "certify: run folder $work/run/reports/" \
+            "certify: dry run: pytest would start in $work/run" \
+            "--rootdir=$site/tvc" " $site/tvc/suites/contract "; do
+  grep -qF -- "$want" "$work/dry.log" \
+    || { cat "$work/dry.log"; fail "tvc certify --dry-run: no '$want'"; }
+done
+run_dir=$(dirname "$summary")
+env "${tvc[@]}" merge "$run_dir" --out fleet >"$work/merge.log" 2>&1 \
+  || { cat "$work/merge.log"; fail "tvc merge of the installed run exited non-zero"; }
+[ -f fleet/summary.json ] && [ -f fleet/junit.xml ] && [ -f fleet/summary.html ] \
+  || fail "tvc merge wrote no fleet summary into ./fleet"
+env "${tvc[@]}" summary "$run_dir" >"$work/summary.log" 2>&1 \
+  || { cat "$work/summary.log"; fail "tvc summary of the installed run exited non-zero"; }
+set +e
+env "${tvc[@]}" verify "$run_dir" >"$work/verify.log" 2>&1
+rc=$?
+set -e
+[ "$rc" -eq 2 ] && grep -q "certification.json" "$work/verify.log" \
+  || { cat "$work/verify.log"; fail "tvc verify of a run that is no certification: rc $rc"; }
+echo "wheel_check: installed tvc certify --dry-run, merge, summary and verify from $work/run"
 find "$site/tvc" -path '*/__pycache__' -prune -o -type f -print | sort >"$work/after"
 diff "$work/before" "$work/after" >/dev/null \
   || fail "the run wrote into site-packages: $(diff "$work/before" "$work/after")"

@@ -11,6 +11,9 @@
     one fleet summary and one JUnit file from run folders of many hosts
     (:mod:`tvc.plugin.fleet`); exits 0 when every run passed, 1 otherwise, 2 for a
     bad folder.
+``tvc verify RUN_DIR``
+    accepts (0) or refuses (1) a certify run's ``certification.json``
+    (:mod:`tvc.report.certification`); 2 when the folder holds none.
 
 Documented in ``docs/cli.md``. Importing this module is cheap (argparse only):
 each command imports what it needs.
@@ -64,41 +67,47 @@ def _err(prefix: str, text: str) -> None:
 def strict_levels(profile: Any) -> list[str]:
     """The ``--tvc-require`` levels a certification of ``profile`` uses.
 
-    ``gpu`` always; ``gpu2`` when a tensor-parallel size above 1 or a
-    prefill/decode pair is claimed (``[vllm] tensor_parallel_sizes``,
-    ``[pd] enabled``); ``nvme`` when it has a store (``[store] path`` or
-    ``[daemon] device_globs``). Missing hardware then fails instead of skipping.
-
-    Args:
-        profile: a loaded :class:`tvc.config.profile.Profile`.
-
-    Returns:
-        the levels, in that order.
-
+    :func:`tvc.report.certification.claimed_levels`: missing hardware then
+    fails instead of skipping.
     """
-    need = ["gpu"]
-    if any(n > 1 for n in profile["vllm"]["tensor_parallel_sizes"]) or profile[
-            "pd"]["enabled"]:
-        need.append("gpu2")
-    if profile["store"]["path"] or profile["daemon"]["device_globs"]:
-        need.append("nvme")
-    return need
+    from tvc.report.certification import claimed_levels
+
+    return claimed_levels(profile)
 
 
 def find_root(given: str | None) -> Path | None:
-    """The folder holding ``suites/``.
+    """The folder holding the suite's ``suites/``.
 
-    ``--root``, else the current folder, else the checkout the package was
-    imported from; None when none has one.
+    ``--root``; else the current folder when it is a checkout of the suite
+    (``suites/`` and ``tvc/data/markers.ini``); else the suite ``tvc`` was
+    imported from: its checkout, or the installed package (``tvc/suites``).
+    None when the folder given holds no ``suites/``.
     """
     if given:
-        return Path(given).resolve()
-    from tvc.config.profile import REPO_ROOT
+        root = Path(given).resolve()
+        return root if (root / "suites").is_dir() else None
+    from tvc.config.paths import suites_dir
 
-    for cand in (Path.cwd(), REPO_ROOT):
-        if (cand / "suites").is_dir():
-            return cand.resolve()
-    return None
+    here = Path.cwd()
+    if (here / "suites").is_dir() and (here / "tvc/data/markers.ini").is_file():
+        return here.resolve()
+    return suites_dir().parent.resolve()
+
+
+def is_checkout(root: Path) -> bool:
+    """Whether ``root`` is a source tree of the suite (pyproject.toml, suites/)."""
+    return (root / "pyproject.toml").is_file() and (root / "suites").is_dir()
+
+
+def reports_dir(root: Path, env: dict[str, str]) -> Path:
+    """Where a certification's run folder goes (never into an installed package).
+
+    ``$TVC_REPORTS_ROOT``; ``<root>/reports`` in a checkout; else ``./reports``
+    of the current folder (:func:`tvc.config.paths.reports_root`'s rule).
+    """
+    if env.get("TVC_REPORTS_ROOT"):
+        return Path(env["TVC_REPORTS_ROOT"]).expanduser().resolve()
+    return (root if is_checkout(root) else Path.cwd().resolve()) / "reports"
 
 
 def tier_paths(root: Path) -> list[str]:
@@ -110,6 +119,68 @@ def tier_paths(root: Path) -> list[str]:
         if d.is_dir() and not d.name.startswith(("_", ".")) and rel not in tiers:
             tiers.append(rel)
     return tiers
+
+
+def pytest_target(root: Path) -> tuple[Path, list[str], list[str]]:
+    """Where a pytest run over the suite at ``root`` starts, its tiers, its options.
+
+    In a checkout pytest starts there (its ``pyproject.toml`` applies) on
+    ``suites/<tier>``. Installed, it starts where the user stands (never in
+    site-packages, whose folders would shadow modules) on the package's tests,
+    with ``--rootdir`` at the package so node ids read ``suites/<tier>/...`` as
+    in a checkout, and the JUnit family that keeps test properties.
+
+    Returns:
+        (folder to start in, tier paths, extra pytest options).
+
+    """
+    tiers = tier_paths(root)
+    if is_checkout(root):
+        return root, tiers, []
+    return (Path.cwd(), [str(root / t) for t in tiers],
+            [f"--rootdir={root}", "-o", "junit_family=xunit1"])
+
+
+def certification_set(root: Path, profile: str, env: dict[str, str] | None = None
+                      ) -> dict[str, str]:
+    """Every test ``tvc certify PROFILE`` collects, with its hardware level.
+
+    Collected in a process of its own (:mod:`tvc.plugin.certset`).
+
+    Raises:
+        RuntimeError: the collection failed (its output's tail is in the message).
+
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    cwd, tiers, where = pytest_target(root)
+    with tempfile.TemporaryDirectory(prefix="tvc-certset-") as tmp:
+        out = Path(tmp) / "set.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "tvc.plugin.certset", str(out), *where, *tiers,
+             f"--tvc-profile={profile}"], cwd=cwd, env=env, capture_output=True,
+            text=True, timeout=600, check=False)
+        if proc.returncode != 0 or not out.is_file():
+            tail = " ".join((proc.stdout + proc.stderr).split()[-40:])
+            raise RuntimeError(f"collecting the certification set failed (pytest "
+                               f"exit {proc.returncode}): {tail}")
+        levels: dict[str, str] = json.loads(out.read_text())
+    return levels
+
+
+def suite_info(root: Path) -> dict[str, str]:
+    """The suite's version and the digest of its tests at ``root/suites``."""
+    import importlib.metadata as md
+
+    from tvc.report.certification import tests_digest
+
+    try:
+        version = md.version("tutti-vllm-conformance")
+    except md.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return {"version": version, "tests_digest": tests_digest(root / "suites")}
 
 
 def narrowed_by(summary: dict[str, Any]) -> str:
@@ -167,7 +238,7 @@ def certify_verdict(rc: int, partial: Sequence[str], known: int) -> str:
 
 
 def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = None,
-            env: dict[str, str] | None = None) -> int:
+            env: dict[str, str] | None = None, dry_run: bool = False) -> int:
     """Certify one profile: every tier, strict mode, one run folder.
 
     Args:
@@ -178,10 +249,11 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         root_arg: the folder holding ``suites/`` (default: :func:`find_root`).
         env: the environment (default ``os.environ``): ``CERTIFY_WORKERS``
             (xdist workers, default :func:`default_workers`, 0 = none),
-            ``TVC_REPORTS_ROOT`` (where the
-            run folder goes, default ``<root>/reports``), ``CERTIFY_DRY_RUN=1``
-            (print the pytest command only), ``CERTIFY_HW_CHECK=0`` (run a
-            full certification even where the box lacks hardware it needs).
+            ``TVC_REPORTS_ROOT`` (where the run folder goes, default
+            :func:`reports_dir`), ``CERTIFY_DRY_RUN=1`` (as ``dry_run``),
+            ``CERTIFY_HW_CHECK=0`` (run a full certification even where the
+            box lacks hardware it needs).
+        dry_run: print the plan (pytest command, folder, run folder) only.
 
     Returns:
         pytest's exit status (0 = certified, or passed a selection); 1 before
@@ -212,10 +284,11 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     workers = int(raw)
     if ("/" in profile or profile.endswith(".toml")) and Path(profile).exists():
         profile = str(Path(profile).resolve())
+    dry_run = dry_run or bool(env.get("CERTIFY_DRY_RUN"))
     root = find_root(root_arg)
-    if root is None or not (root / "suites").is_dir():
-        _err("certify", f"no suites/ folder in {root or Path.cwd()}: run from the "
-             "suite's checkout or give --root")
+    if root is None:
+        _err("certify", f"--root {root_arg}: no suites/ folder there; give a "
+             "checkout of the suite or the installed package's tvc/ folder")
         return 2
     from tvc.config.profile import ProfileError, load
 
@@ -226,7 +299,7 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         return 4
     require = ",".join(strict_levels(prof))
     if not selects(pytest_args) and env.get("CERTIFY_HW_CHECK", "1") != "0" \
-            and not env.get("CERTIFY_DRY_RUN"):
+            and not dry_run:
         from tvc.env.hardware import probe_profile, skip_reason
 
         hw = probe_profile(prof)
@@ -239,12 +312,15 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
                  f"{', '.join(absent)} (CERTIFY_HW_CHECK=0 runs it anyway; each test "
                  "that needs it then fails)")
             return 1
-    reports = Path(env.get("TVC_REPORTS_ROOT") or root / "reports")
-    run_dir = reports / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}" \
-                        f"-certify-{prof.name}"
-    tiers = tier_paths(root)
+    run_dir = reports_dir(root, env) / \
+        f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-certify-{prof.name}"
+    names = [t.removeprefix("suites/") for t in tier_paths(root)]
+    cwd, tiers, where = pytest_target(root)
+    if not is_checkout(root):
+        pytest_args = [str(root / a) if a.startswith("suites/") else a
+                       for a in pytest_args]
     print(f"certify: profile {prof.name} ({profile}), strict: {require}, tiers: "
-          f"{' '.join(t.removeprefix('suites/') for t in tiers)}")
+          f"{' '.join(names)}")
     print(f"certify: run folder {run_dir}")
     xdist: list[str] = []
     import importlib.util
@@ -264,14 +340,15 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     depth = [] if any(a.startswith("--tvc-depth") for a in pytest_args) or env.get(
         "TVC_DEPTH") else [f"--tvc-depth={CERTIFY_DEPTH}"]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *xdist,
-           *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
+           *where, *tiers, f"--tvc-profile={profile}", f"--tvc-require={require}",
            f"--tvc-report-dir={run_dir}", *depth, *pytest_args]
-    if env.get("CERTIFY_DRY_RUN"):
+    if dry_run:
+        print(f"certify: dry run: pytest would start in {cwd}")
         print(shlex.join(cmd))
         return 0
     sys.stdout.flush()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=root, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
 
     def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGHUP: pytest's own
         proc.send_signal(signum)
@@ -298,9 +375,51 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         print(f"certify: finding ({f['outcome']}): {f['title']}; rerun: {f['rerun']}")
         known += f["outcome"] == "xfailed"
     verdict = certify_verdict(rc, partial, known)
+    refused = write_certification(run_dir, root, profile, prof, env) if summary \
+        else ["no summary.json"]
+    if refused and verdict.startswith("CERTIFIED"):  # e.g. a test of the set absent
+        verdict, rc = f"NOT certified: {refused[0]}", 1
     print(f"certify: {prof.name} {verdict} in {dt // 3600}h{dt % 3600 // 60:02d}m"
           f"{dt % 60:02d}s ({dt} s); rc={rc}; report {run_dir}/summary.html")
     return rc
+
+
+def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
+                        env: dict[str, str]) -> list[str]:
+    """Write the run's ``certification.json``; return why it does not hold.
+
+    Args:
+        run_dir: the certify run's folder (with ``summary.json``).
+        root: the folder holding ``suites/``.
+        profile: the profile as given to pytest.
+        prof: the loaded profile.
+        env: the run's environment.
+
+    Returns:
+        the certification's problems ([] when certified); a collection that
+        failed is one.
+
+    """
+    import json
+
+    from tvc.report import certification as cert
+
+    try:
+        levels = certification_set(root, profile, env)
+    except (RuntimeError, OSError) as exc:
+        print(f"certify: no certification.json: {exc}")
+        return [str(exc)]
+    data = (run_dir / "summary.json").read_bytes()
+    doc = cert.build(json.loads(data), data, levels, strict_levels(prof),
+                     suite_info(root), prof)
+    path = cert.write(run_dir, doc)
+    c = doc["counts"]
+    print(f"certify: {path}: {doc['set']['size']} test(s) in the certification set: "
+          f"{c['ok']} passed or known defects, {c['n/a']} not applicable, "
+          f"{c['refused']} not accepted" + (f" (first: {doc['problems'][0]})"
+                                            if doc["problems"] else ""))
+    problems: list[str] = doc["problems"]
+    return problems
 
 
 # ------------------------------------------------------------------- summary
@@ -342,10 +461,10 @@ def summary_cmd(run_dir: str) -> int:
         for h in s["fleet"].get("hosts") or []:
             print(f"  {h['label']}: {h['verdict']} ({h['why']})")
     else:
-        from tvc.plugin.summary_page import verdict
+        from tvc.report.outcome import headline, verdict
 
         word, why = verdict(s)
-        print(f"{word}: {why}")
+        print(f"{headline(s)}: {why}")
         for note in notes:
             print(note)
     c = s.get("counts") or {}
@@ -388,6 +507,76 @@ def merge_cmd(run_dirs: Sequence[str], out: str) -> int:
     return 0 if f["verdict"] == "PASS" else 1
 
 
+# -------------------------------------------------------------------- verify
+
+def verify_cmd(run_dir: str, root_arg: str | None = None,
+               profile_arg: str | None = None) -> int:
+    """``tvc verify RUN_DIR``: accept or refuse a certify run's certification.
+
+    Checks ``certification.json`` (:mod:`tvc.report.certification`): its digest,
+    the ``summary.json`` and ``junit.xml`` beside it, the suite's tests and the
+    profile it names (loaded again: ``--profile``, else its file, else its
+    name), and every test of the certification set, collected again here.
+
+    Returns:
+        0 accepted, 1 refused (each reason printed), 2 not a certification or a
+        profile or suite that cannot be read (one line).
+
+    """
+    import json
+
+    from tvc.config.profile import ProfileError, load
+    from tvc.report import certification as cert
+
+    d = Path(run_dir)
+    try:
+        doc = cert.read(d)
+    except cert.CertificationError as exc:
+        _err("tvc verify", str(exc))
+        return 2
+    if not cert.digest_ok(doc):  # before the collection: nothing else counts
+        print(f"REFUSED: {d / cert.FILE}: {cert.DOCTORED}")
+        return 1
+    root = find_root(root_arg)
+    if root is None:
+        _err("tvc verify", f"--root {root_arg}: no suites/ folder there")
+        return 2
+    prof_doc = doc.get("profile") or {}
+    given = profile_arg or (prof_doc.get("source") if Path(
+        str(prof_doc.get("source"))).is_file() else prof_doc.get("name"))
+    try:
+        prof = load(str(given))
+        levels = certification_set(root, str(prof.source))
+    except (ProfileError, RuntimeError, OSError) as exc:
+        _err("tvc verify", f"cannot collect the certification set of profile "
+             f"{given!r}: {exc}".replace("\n", " "))
+        return 2
+    raw = {n: (d / n).read_bytes() if (d / n).is_file() else None
+           for n in ("summary.json", "junit.xml")}
+    try:
+        summary = json.loads(raw["summary.json"]) if raw["summary.json"] else None
+    except ValueError:
+        summary = None
+    problems = cert.check(doc, summary, raw["summary.json"], levels,
+                          suite_info(root), prof, raw["junit.xml"])
+    head = (f"{prof_doc.get('name')} ({prof_doc.get('connector')}), hardware "
+            f"{', '.join(doc.get('hardware', {}).get('levels') or [])}, "
+            f"{doc.get('set', {}).get('size')} test(s) in the set")
+    if problems:
+        print(f"REFUSED: {head}: {len(problems)} reason(s)")
+        for line in problems[:50]:
+            print(f"  {line}")
+        if len(problems) > 50:
+            print(f"  ... and {len(problems) - 50} more")
+        return 1
+    c, run = doc.get("counts") or {}, doc.get("run") or {}
+    print(f"ACCEPTED: {head}: {c.get('ok')} passed or known defects, "
+          f"{c.get('n/a')} not applicable; suite {doc['suite'].get('version')}, "
+          f"vLLM {doc.get('versions', {}).get('vllm')}, run "
+          f"{run.get('started_utc')} on {run.get('host')}")
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 def parser() -> argparse.ArgumentParser:
@@ -404,7 +593,11 @@ def parser() -> argparse.ArgumentParser:
                        "cores/2 - 2 others, 3 to 10; 0 = none), "
                        "TVC_REPORTS_ROOT, CERTIFY_DRY_RUN=1.")
     c.add_argument("--root", help="folder holding suites/ (default: the current "
-                   "folder, else the checkout tvc was imported from)")
+                   "folder when it is a checkout of the suite, else the suite tvc "
+                   "was imported from: its checkout or the installed package)")
+    c.add_argument("--dry-run", action="store_true", help="print the pytest "
+                   "command, where it starts and the run folder; run nothing "
+                   "(also after PROFILE)")
     c.add_argument("profile", help="built-in profile name or TOML path")
     c.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="passed to pytest (-k, -x, --tvc-gpus=0,1 ...)")
@@ -418,6 +611,17 @@ def parser() -> argparse.ArgumentParser:
                        "a Slurm array, Kubernetes Jobs) into one fleet summary and "
                        "one JUnit file in --out. Exit 0 when every run passed, 1 "
                        "otherwise, 2 for a bad folder.")
+    v = sub.add_parser("verify", help="accept or refuse a certify run's "
+                       "certification.json",
+                       description="Check RUN_DIR/certification.json: its digest, "
+                       "the summary.json and junit.xml beside it, the suite's tests "
+                       "and the profile, and every test of the certification set "
+                       "(collected again). Exit 0 accepted, 1 refused, 2 not a "
+                       "certification.")
+    v.add_argument("run_dir")
+    v.add_argument("--root", help="folder holding suites/ (default as for certify)")
+    v.add_argument("--profile", help="the certified profile, when its file is "
+                   "elsewhere here (built-in name or TOML path)")
     m.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     m.add_argument("--out", required=True, help="new or empty folder for the "
                    "fleet summary, or an earlier fleet summary's folder (replaced); "
@@ -434,9 +638,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parser().parse_args(argv)
     if args.command == "certify":
-        return certify(args.profile, args.pytest_args, args.root)
+        rest = [a for a in args.pytest_args if a != "--dry-run"]
+        return certify(args.profile, rest, args.root,
+                       dry_run=args.dry_run or len(rest) < len(args.pytest_args))
     if args.command == "summary":
         return summary_cmd(args.run_dir)
+    if args.command == "verify":
+        return verify_cmd(args.run_dir, args.root, args.profile)
     return merge_cmd(args.run_dirs, args.out)
 
 

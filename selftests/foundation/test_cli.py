@@ -140,7 +140,9 @@ def test_summary_rerenders_the_page_and_prints_the_verdict(tmp_path, capsys
     assert "`test_cold_prompt_matches_nothing`: failed here" in md
     green = make_run(tmp_path, "g", "h1", ["passed", "passed", "passed"])
     assert cli.main(["summary", str(green)]) == 0
-    assert capsys.readouterr().out.startswith("PASS: 3 passed, 0 skipped")
+    # a run of two tiers says so (tvc.report.scope)
+    assert capsys.readouterr().out.startswith(
+        "PASS (scope, level1 and contract only): 3 passed, 0 skipped")
 
 
 # -------------------------------------------------------------------- merge
@@ -356,3 +358,32 @@ def test_narrowed_by_ignores_the_suites_own_device_deselection() -> None:
     s["run"]["markexpr"] = ""
     s["deselected"] = s["deselected"][:1]
     assert cli.narrowed_by(s) == ""
+
+
+def test_certify_from_an_installed_package_plans_where_the_user_stands(
+        tmp_path, monkeypatch, capsys) -> None:
+    """Installed, the tests are the package's ``tvc/suites``: pytest starts where
+    the user stands (never in site-packages) with ``--rootdir`` at the package, so
+    node ids read ``suites/<tier>/...``; the run folder goes to ``./reports``."""
+    import shlex
+
+    pkg = tmp_path / "site-packages" / "tvc"
+    for tier in ("level1", "contract"):
+        (pkg / "suites" / tier).mkdir(parents=True)
+    here = tmp_path / "work"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    rc = cli.certify("example", ["suites/level1/test_x.py", "-x"], str(pkg),
+                     env={"CERTIFY_WORKERS": "0"}, dry_run=True)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"certify: run folder {here}/reports/" in out, out
+    assert f"certify: dry run: pytest would start in {here}" in out, out
+    cmd = shlex.split(out.strip().splitlines()[-1])
+    assert f"--rootdir={pkg}" in cmd and str(pkg / "suites" / "level1") in cmd, cmd
+    assert str(pkg / "suites" / "level1" / "test_x.py") in cmd, cmd  # user's path
+    assert not list(pkg.rglob("reports"))  # nothing planned inside the package
+    # a checkout is found from anywhere: the suite tvc was imported from
+    assert cli.find_root(None) == REPO_ROOT
+    assert cli.find_root(str(here)) is None  # --root without suites/
+    assert cli.main(["certify", "--root", str(here), "example"]) == 2

@@ -598,6 +598,8 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
     config.add_cleanup(lambda: run_folder.release(lock))
     if not config.option.xmlpath:
         config.option.xmlpath = str(run_dir / "junit.xml")
+    from tvc.report.certification import claimed_levels
+
     meta = {
         "run": {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "args": " ".join(sys.argv[1:]), "require": sorted(require),
@@ -608,6 +610,7 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
                 "kind": "selftests" if own_tests else "conformance"},
         "profile": {"name": profile.name, "source": str(profile.source),
                     "connector": profile["connector"]["name"],
+                    "levels": claimed_levels(profile),
                     "kv_transfer_config": profile.kv_transfer_config(),
                     "vllm_env": dict(profile["vllm"]["env"]),
                     **_under_test(profile)},
@@ -678,20 +681,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: Sequence[str]) -> None:
-    """On the xdist controller: the tests to run (every worker collects the same)."""
-    _expect(node.config, ids)
+    """On the xdist controller: the tests to run (every worker collects the same).
+
+    Their hardware levels come from the files the workers wrote at collection
+    (:func:`run_control.read_hw_levels`).
+    """
+    folder = node.config.stash.get(run_control.OWNERS_DIR, None)
+    _expect(node.config, ids,
+            run_control.read_hw_levels(folder) if folder is not None else {})
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Without xdist: the tests to run, so a cut-short run counts what never ran."""
     if getattr(session.config, "workerinput", None) is None:
-        _expect(session.config, [i.nodeid for i in session.items])
+        _expect(session.config, [i.nodeid for i in session.items],
+                run_control.hw_levels(session.items))
 
 
-def _expect(config: pytest.Config, nodeids: Sequence[str]) -> None:
+def _expect(config: pytest.Config, nodeids: Sequence[str],
+            hardware: dict[str, str]) -> None:
     rep = _run_report(config)
     if rep is not None and not config.option.collectonly:
-        rep.expect(nodeids)
+        rep.expect(nodeids, hardware)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -701,6 +712,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
         return
     out = getattr(node, "workeroutput", None) or {}
     run = node.config.stash[_RUN]
+    if error is not None and "keyboard-interrupt" not in str(error):
+        run["dead_workers"] = run.get("dead_workers", 0) + 1  # crashed or killed
     if out.get(_DESELECTED_KEY) and not run["deselected"]:
         run["deselected"] = list(out[_DESELECTED_KEY])
         run["variant_lines"] = list(out.get(_VARIANTS_KEY, []))
@@ -730,6 +743,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]
     """
     report = yield
     if _active(item.config):
+        level = getattr(call.excinfo.value if call.excinfo else None,
+                        session.MISSING_LEVEL_ATTR, "")
+        if level and report.skipped:
+            report.user_properties.append((reporting.MISSING_HW_PROPERTY, level))
         known_failures.keep_setup_errors(item, call, report)
         known_failures.check_symptom(item, call, report)
         known_failures.note_parent_defect(
@@ -797,9 +814,10 @@ def pytest_collection_modifyitems(config: pytest.Config,
         run_control.group_gpu_owners(items, lanes)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and run_control.OWNERS_DIR_KEY in workerinput:
-        run_control.write_owner_ids(Path(workerinput[run_control.OWNERS_DIR_KEY]),
-                                    str(workerinput.get("workerid", "gw")), items,
-                                    lanes)
+        folder = Path(workerinput[run_control.OWNERS_DIR_KEY])
+        worker = str(workerinput.get("workerid", "gw"))
+        run_control.write_owner_ids(folder, worker, items, lanes)
+        run_control.write_hw_levels(folder, worker, items)
     _publish_deselected(config)
 
 
@@ -880,6 +898,9 @@ def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> N
     """
     for config in _CONFIGS:
         config.stash[_RUN]["interrupted"] = True
+        config.stash[_RUN]["stop_message"] = str(excinfo.value)
+        if isinstance(excinfo.value, pytest.exit.Exception):
+            config.stash[_RUN]["exit_message"] = excinfo.value.msg
         if not hasattr(config, "workerinput"):  # the controller stops the workers
             _hold(config)
             term = config.stash[_RUN].get("term")
@@ -917,6 +938,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if logxml is not None:
         for name, value in rep.flat_properties():
             logxml.add_global_property(name, value)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:  # each red on the console as it happens (tvc.report.live)
+        rep.live.echo = tr.write_line
+    rep.live.start()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -968,6 +993,10 @@ def pytest_sessionfinish_write_reports(session: pytest.Session, exitstatus: int
     if _interrupted(config):
         exitstatus = int(pytest.ExitCode.INTERRUPTED)
         session.exitstatus = pytest.ExitCode.INTERRUPTED
+    run = config.stash[_RUN]
+    for why in (session.shouldfail, session.shouldstop):  # --maxfail, timeouts
+        if isinstance(why, str) and why and not run.get("stop_message"):
+            run["stop_message"] = why
     status = _write_reports(config, rep, int(exitstatus))
     if status != int(exitstatus):
         session.exitstatus = status
@@ -991,9 +1020,16 @@ def _terminating_signal(config: pytest.Config) -> str:
 
 
 def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
-    rep.deselected = config.stash[_RUN]["deselected"]
+    run = config.stash[_RUN]
+    rep.deselected = run["deselected"]
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         rep.terminated_by = _terminating_signal(config)
+    from tvc.report.outcome import stop_reason
+
+    unrun = any(t["outcome"] == "not_run" for t in rep.tests.values())
+    rep.stop = stop_reason(str(run.get("stop_message") or ""), rep.terminated_by,
+                           _interrupted(config), str(run.get("exit_message") or ""),
+                           int(run.get("dead_workers", 0)) if unrun else 0)
     exitstatus = _coverage(config, rep, exitstatus)
     try:
         rep.write(exitstatus)
@@ -1095,7 +1131,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                 f"{', '.join(cov['missing_overridden'])} but no test exercised it "
                 "with a meaningful input")
     rep = config.stash.get(_REPORT, None)
+    if rep is not None and rep.summary:
+        run_ = rep.summary["run"]
+        terminalreporter.write_line(f"tvc: {run_['verdict']}: {run_['verdict_why']}",
+                                    bold=True)
     if rep is not None:
         terminalreporter.write_line(
             f"reports: {rep.run_dir}/ (summary.html for people, junit.xml, "
-            "summary.json)")
+            "summary.json, failures.md)")

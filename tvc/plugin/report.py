@@ -7,11 +7,14 @@ Every run writes, without extra flags, into one run folder
   and profile; test-level properties carry each test's figures (``record_property``).
 - ``summary.json``: the same facts as JSON: ``run`` (with ``outcome``: ``passed``,
   ``failed``, ``interrupted``, ``terminated`` (SIGTERM/SIGHUP, named in
-  ``run.signal``), ``internal_error``, ``usage_error``, ``no_tests``; the
-  ``seed``), ``versions``, ``hardware``, ``profile``, ``counts``
-  (passed/failed/skipped/error), ``deselected`` (per tier: how many and why),
-  ``tests`` (one entry each with outcome, duration in s, tier markers, properties and
-  a one-paragraph message).
+  ``run.signal``), ``internal_error``, ``usage_error``, ``no_tests``; ``stop``,
+  why a run stopped early (:func:`tvc.report.outcome.stop_reason`); the
+  ``verdict`` with its scope; the ``seed``), ``versions``, ``hardware``,
+  ``profile``, ``counts`` (passed/failed/skipped/error), ``deselected`` (per
+  tier: how many and why), ``scope`` (:func:`tvc.report.scope.scope`),
+  ``tests`` (one entry each with outcome, duration in s, tier markers, hardware
+  level, properties and a one-paragraph message).
+- ``failures.md``: every red as it happens (:mod:`tvc.report.live`).
 
 A run stopped before pytest wrote its JUnit file (Ctrl-C during start-up or
 shutdown) still gets one (:func:`write_fallback_junit`).
@@ -30,37 +33,21 @@ import platform
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tvc.config.paths import DATA_DIR, reports_root
+from tvc.config.paths import reports_root
 from tvc.core.files import read_json, write_file
 from tvc.plugin.findings import findings
+from tvc.report.live import LiveReds
+from tvc.report.outcome import OUTCOME_BY_EXIT, headline, outcome_reason, verdict
+from tvc.report.scope import HW_LEVELS, hardware_level, scope, tier_order
 
-
-def _tiers_from_markers_ini() -> tuple[str, ...]:
-    """The tier markers, in ladder order: the ``[tiers]`` section of markers.ini.
-
-    markers.ini is the one list of markers; a missing or malformed file gives an
-    empty tuple here (the plugin reports it as a usage error at start-up).
-    """
-    import configparser
-
-    cp = configparser.ConfigParser(interpolation=None)
-    try:
-        cp.read(DATA_DIR / "markers.ini")
-        return tuple(cp["tiers"]) if cp.has_section("tiers") else ()
-    except configparser.Error:
-        return ()
-
-
-TIER_MARKERS = _tiers_from_markers_ini()
-# pytest's exit codes (_pytest.config.ExitCode) as the run's outcome word
-OUTCOME_BY_EXIT = {0: "passed", 1: "failed", 2: "interrupted", 3: "internal_error",
-                   4: "usage_error", 5: "no_tests"}
+TIER_MARKERS = tier_order()
+MISSING_HW_PROPERTY = "tvc_missing_hardware"  # set on a skip for an absent level
 
 
 def _dist(name: str) -> dict[str, str]:
@@ -112,6 +99,8 @@ class RunReport:
         # extra top-level sections of summary.json (e.g. "coverage")
         self.extra: dict[str, Any] = {}
         self.summary: dict[str, Any] = {}  # what write() wrote
+        self.stop: dict[str, str] = {}  # why the run stopped early (tvc.report.outcome)
+        self.live = LiveReds(run_dir, f"profile {meta.get('profile', {}).get('name')}")
 
     def flat_properties(self) -> list[tuple[str, str]]:
         """Run-level facts as (name, value) pairs for the JUnit ``<properties>``."""
@@ -129,7 +118,8 @@ class RunReport:
         walk("", self.meta)
         return out
 
-    def expect(self, nodeids: Iterable[str]) -> None:
+    def expect(self, nodeids: Iterable[str],
+               hardware: Mapping[str, str] | None = None) -> None:
         """Record the tests the run is to run, as ``not_run`` until they report.
 
         So a run cut short (Ctrl-C, a time limit, ``-x``) counts every test that
@@ -137,6 +127,8 @@ class RunReport:
 
         Args:
             nodeids: the node ids left after collection and deselection.
+            hardware: node id -> hardware level (``gpu``, ...) of the tests that
+                need one (their ``hw_*`` marker).
 
         """
         for nodeid in nodeids:
@@ -145,7 +137,7 @@ class RunReport:
             self.tests.setdefault(nodeid, {
                 "nodeid": nodeid, "outcome": "not_run", "duration_s": 0.0,
                 "tiers": [tier] if tier in TIER_MARKERS else [], "properties": {},
-                "message": "",
+                "message": "", "hardware": (hardware or {}).get(nodeid, "any"),
             })
 
     @pytest.hookimpl
@@ -158,15 +150,20 @@ class RunReport:
             "tiers": [], "properties": {}, "message": "",
         })
         entry["duration_s"] = round(entry["duration_s"] + report.duration, 3)
-        entry["tiers"] = sorted(
-            m for m in TIER_MARKERS if m in getattr(report, "keywords", {})
-        )
+        keywords = getattr(report, "keywords", {})
+        entry["tiers"] = sorted(m for m in TIER_MARKERS if m in keywords)
+        entry["hardware"] = hardware_level(keywords)
         for name, value in report.user_properties:
-            entry["properties"][name] = value
+            if name == MISSING_HW_PROPERTY:
+                entry["missing_hardware"] = value
+            else:
+                entry["properties"][name] = value
         if report.failed:
             if entry["outcome"] not in ("failed", "error"):
                 entry["outcome"] = "failed" if report.when == "call" else "error"
                 entry["message"] = _short(report)
+                self.live.add(report.nodeid, entry["outcome"], entry["message"],
+                              self._rerun(entry))
         elif report.skipped and hasattr(report, "wasxfail"):
             # a profile's [[known_failures]] entry (strict xfail): it failed as
             # the upstream defect says; counted apart, never as a skip
@@ -177,6 +174,33 @@ class RunReport:
             entry["message"] = _short(report)
         elif report.when == "call" and entry["outcome"] == "not_run":
             entry["outcome"] = "passed"
+
+    def _rerun(self, entry: dict[str, Any]) -> str:
+        """The command that reruns one test (as the findings say it)."""
+        run = self.meta.get("run", {})
+        found = findings([entry], self.meta.get("profile", {}), run.get("seed"),
+                         os.environ.get("PYTHONPATH", ""), run.get("require") or ())
+        return str(found[0]["rerun"]) if found else ""
+
+    def would_skip(self) -> None:
+        """Tests a stopped run never reached that this box would have skipped.
+
+        A test needing a hardware level the box lacks (its ``hw_*`` marker),
+        outside strict mode, is a skip, not a red "never ran": it is counted as
+        skipped, saying both.
+        """
+        hw = self.meta.get("hardware") or {}
+        levels = hw.get("levels") or {}
+        strict = set(self.meta.get("run", {}).get("require") or ())
+        for t in self.tests.values():
+            level = t.get("hardware")
+            if (t["outcome"] != "not_run" or level not in HW_LEVELS
+                    or levels.get(level, True) or level in strict):
+                continue
+            why = (hw.get("missing") or {}).get(level) or f"no {level} on this box"
+            t.update(outcome="skipped", missing_hardware=level, message=(
+                f"never ran (the run stopped first); this box would skip it: "
+                f"{why}"))
 
     def counts(self) -> dict[str, int]:
         """Number of tests per outcome.
@@ -215,6 +239,7 @@ class RunReport:
 
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.would_skip()
         run = {**self.meta.get("run", {}), "exit_status": int(exitstatus),
                "outcome": self.outcome(exitstatus),
                "duration_s": round(time.time() - self.started, 3)}
@@ -222,6 +247,8 @@ class RunReport:
         run.setdefault("pythonpath", os.environ.get("PYTHONPATH", ""))
         if self.terminated_by:
             run["signal"] = self.terminated_by
+        if self.stop:
+            run["stop"] = self.stop
         summary = {
             **self.meta,
             "run": run,
@@ -234,10 +261,13 @@ class RunReport:
                                        run.get("seed"), run["pythonpath"],
                                        run.get("require") or ())
         run["outcome_reason"] = outcome_reason(summary)
+        summary["scope"] = scope(summary, TIER_MARKERS)
+        run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]
         self.summary = summary
         path = write_file(self.run_dir / "summary.json",
                           json.dumps(summary, indent=2, default=str) + "\n")
         self.written = True
+        self.live.finish(f"{run['verdict']}: {run['verdict_why']}")
         with contextlib.suppress(OSError, RuntimeError):
             root = reports_root(self.invocation_dir)
             latest = root / "latest"
@@ -307,49 +337,6 @@ def junit_classname(path: str) -> str:
 
 #: the name of the JUnit case that carries a run's non-passing outcome
 OUTCOME_CASE = "tvc-run-outcome"
-
-
-def outcome_reason(summary: dict[str, Any]) -> str:
-    """Why a run did not pass, in one line (``""`` for a run that passed).
-
-    Reads ``run`` (``outcome``, ``exit_status``, ``signal``), ``counts`` and
-    ``coverage`` of a ``summary.json`` (older files without ``outcome`` are read
-    by their ``exit_status``).
-
-    Args:
-        summary: the parsed ``summary.json``.
-
-    Returns:
-        e.g. ``terminated by SIGTERM: 12 test(s) never ran``, or ``coverage gate
-        (--tvc-require coverage) failed: the connector overrides take_events but
-        no test exercised it with a meaningful input``.
-
-    """
-    run = summary.get("run") or {}
-    c = summary.get("counts") or {}
-    status = int(run.get("exit_status", 0) or 0)
-    outcome = run.get("outcome") or OUTCOME_BY_EXIT.get(status, f"exit_{status}")
-    if outcome == "passed":
-        return ""
-    bad = int(c.get("failed", 0)) + int(c.get("error", 0))
-    never = int(c.get("not_run", 0))
-    never_s = f"; {never} test(s) never ran" if never else ""
-    cov = summary.get("coverage") or {}
-    if outcome == "terminated":
-        return f"terminated by {run.get('signal') or 'a signal'}{never_s}"
-    if outcome == "interrupted":
-        return f"interrupted (Ctrl-C){never_s}"
-    if outcome == "failed" and not bad and cov.get("strict") and cov.get(
-            "missing_overridden"):
-        return ("coverage gate (--tvc-require coverage) failed: the connector "
-                f"overrides {', '.join(cov['missing_overridden'])} but no test "
-                "exercised it with a meaningful input")
-    if outcome == "failed":
-        return f"{bad} test(s) failed or errored" if bad else "pytest exit status 1"
-    return {"internal_error": "pytest hit an internal error",
-            "usage_error": "pytest was given bad arguments",
-            "no_tests": "no test ran (nothing collected or all deselected)",
-            }.get(outcome, f"pytest exit status {status}")
 
 
 def stamp_suite(suite: ET.Element, summary: dict[str, Any]) -> None:

@@ -143,6 +143,45 @@ def read_owner_ids(folder: Path) -> dict[str, str]:
     return out
 
 
+def hw_levels(items: Iterable[pytest.Item]) -> dict[str, str]:
+    """Node id -> hardware level (``hw_gpu`` -> ``gpu``) of items that need one."""
+    out = {}
+    for item in items:
+        level = next((m.name[3:] for m in item.iter_markers()
+                      if m.name.startswith("hw_") and m.name != "hw_any"), "")
+        if level:
+            out[item.nodeid] = level
+    return out
+
+
+def write_hw_levels(folder: Path, worker_id: str, items: Iterable[pytest.Item]
+                    ) -> Path:
+    """Worker side: the hardware levels of the tests this worker collected.
+
+    The controller has node ids only; with these it can tell a test a stopped
+    run never reached that this box would have skipped (no GPU) from one that
+    would have run.
+
+    Returns:
+        ``folder/hw-<worker_id>.json`` (node id -> level).
+
+    """
+    path = folder / f"hw-{worker_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(hw_levels(items)))
+    tmp.replace(path)
+    return path
+
+
+def read_hw_levels(folder: Path) -> dict[str, str]:
+    """Controller side: every worker's :func:`write_hw_levels`, merged."""
+    out: dict[str, str] = {}
+    for path in sorted(folder.glob("hw-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out.update(json.loads(path.read_text()))
+    return out
+
+
 def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False
                    ) -> Any:
     """The xdist scheduler: GPU owners as one unit on one worker, the rest balanced.

@@ -55,6 +55,7 @@ class RunState:
 
 
 STATE_KEY = pytest.StashKey[RunState]()  # config.stash: this run's RunState
+MISSING_LEVEL_ATTR = "tvc_missing_level"  # on the skip missing_hardware raises
 RUN_DIR_KEY = "tvc_run_dir"  # xdist workerinput key: the run folder
 
 
@@ -117,4 +118,6 @@ def missing_hardware(level: str, detail: str = "", *, hw: dict[str, Any],
         reason = f"{detail} {reason}"
     if level in strict:
         pytest.fail(f"strict mode (--tvc-require {level}): {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip = pytest.skip.Exception(reason)
+    setattr(skip, MISSING_LEVEL_ATTR, level)  # the report says: a hardware skip
+    raise skip

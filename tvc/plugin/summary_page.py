@@ -33,7 +33,9 @@ from typing import Any
 
 from tvc.core.files import read_json, save_figure, write_file
 from tvc.plugin.findings import causes
-from tvc.plugin.report import TIER_MARKERS, outcome_reason
+from tvc.plugin.report import TIER_MARKERS
+from tvc.report.outcome import headline, verdict
+from tvc.report.scope import scope
 
 NO_MATPLOTLIB = ("Charts left out: matplotlib is not installed (pip install "
                  "'tutti-vllm-conformance[plots]').")
@@ -221,6 +223,20 @@ def name_list(names: list[str], limit: int = NAMES_SHOWN,
     if len(shown) == 1:
         return shown[0]
     return f"{', '.join(shown[:-1])} and {shown[-1]}"
+
+
+def fold_names(names: list[str]) -> list[str]:
+    """Test names with their parameters folded, in order: each test once.
+
+    ``["t[a]", "t[b]", "u"]`` -> ``["t[a, b]", "u"]``: a list of 170 variants
+    reads as the few tests they are.
+    """
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        base, _, param = str(n).partition("[")
+        groups.setdefault(base, []).append(param.removesuffix("]"))
+    return [base if params == [""] else f"{base}[{', '.join(p for p in params)}]"
+            for base, params in groups.items()]
 
 
 def standin_tests(summary: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -420,6 +436,9 @@ def header_facts(s: Mapping[str, Any]) -> list[tuple[str, str]]:
                                f"{depth.get('scenario_volume')} volume prompts; "
                                "--tvc-depth)"))
     extra.append(("deselected", deselected_text(s.get("deselected") or [])))
+    line = (s.get("scope") or scope(s)).get("line")
+    if line:
+        extra.insert(0, ("scope", line))
     if run.get("xdist"):
         extra.append(("xdist", str(run["xdist"]).removeprefix("xdist: ")))
     return [
@@ -480,42 +499,6 @@ def deselected_text(rows: list[Mapping[str, Any]]) -> str:
         tiers.sort(key=lambda t: order.get(t[0], 99))
         parts.append(", ".join(f"{t} {n}" for t, n in tiers) + f" ({why})")
     return "; ".join(parts)
-
-
-def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
-    """(word, one-line explanation) for the run as a whole.
-
-    ``FAIL``: a test failed or errored, or the coverage gate failed;
-    ``INCOMPLETE``: the run stopped (Ctrl-C, a signal) or pytest could not run
-    it; ``NOTHING PASSED``; ``PASS``; ``NO DATA`` without ``summary.json``.
-    """
-    c = s.get("counts") or {}
-    if not s:
-        return "NO DATA", "summary.json is missing"
-    bad = c.get("failed", 0) + c.get("error", 0)
-    run = s.get("run") or {}
-    reason = outcome_reason(dict(s))
-    stopped = run.get("outcome") in ("interrupted", "terminated") or (
-        run.get("exit_status") == 2)
-    if stopped or (c.get("not_run") and not bad):
-        head = f"{bad} test(s) failed or errored; " if bad else ""
-        return "INCOMPLETE", (f"{head}{reason or 'the run stopped'} — nothing "
-                              "after that point was checked")
-    if bad:
-        return "FAIL", f"{bad} test(s) failed or errored"
-    if reason.startswith("coverage gate"):
-        return "FAIL", reason
-    status = run.get("exit_status", 0)
-    if status not in (0, 5):
-        return "INCOMPLETE", (f"{reason or f'exit {status}'}; nothing was "
-                              "certified")
-    if not c.get("passed"):
-        return "NOTHING PASSED", ("every test was skipped, deselected or a known "
-                                  "upstream defect (xfailed)")
-    known = (f", {c['xfailed']} known upstream defect(s) (xfailed)"
-             if c.get("xfailed") else "")
-    return "PASS", (f"{c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped"
-                    f"{known}")
 
 
 COVERAGE_TITLE = "Connector API and KV-setting coverage"
@@ -661,7 +644,7 @@ def page_model(data: Mapping[str, Any], charts: Mapping[str, Path | None],
     return {
         "title": run_title(s), "selftest": is_selftest_summary(s),
         "profile_name": str((s.get("profile") or {}).get("name", "")),
-        "word": word, "why": why,
+        "word": word, "why": why, "headline": headline(s),
         "badge": word if word in ("PASS", "FAIL") else "other",
         "counts": [(k, c.get(k, 0)) for k in OUTCOMES],
         "facts": header_facts(s), "note": note,
@@ -750,6 +733,7 @@ def render(template: str, context: Mapping[str, Any]) -> str:
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined)
     env.filters["names"] = _names
+    env.filters["fold"] = fold_names
     text = env.get_template(template).render(**context)
     if template.endswith(".md.j2"):  # sections join with one blank line
         text = re.sub(r"\n{3,}", "\n\n", text)

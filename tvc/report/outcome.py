@@ -1,0 +1,171 @@
+"""A run's outcome in words: why it stopped, why it did not pass, its verdict.
+
+Read from a ``summary.json`` (:mod:`tvc.plugin.report` writes it) or, for the stop
+reason, from what pytest and its plugins leave when they stop a run:
+
+- ``--maxfail=N`` / ``-x``: pytest sets ``session.shouldfail`` to ``stopping after
+  N failures`` (exit 1); under xdist the controller raises ``Interrupted`` with
+  the same words (exit 2, ``_pytest/main.py``, ``xdist/dsession.py``);
+- pytest-timeout's ``--session-timeout``: ``session-timeout: S sec exceeded``
+  (``pytest_timeout.py``);
+- xdist workers that died (killed by a watchdog: pytest-timeout's ``thread``
+  method exits the process; the OOM killer) and were not replaced
+  (``--max-worker-restart``), leaving tests that never ran;
+- ``pytest.exit(msg)``; SIGTERM/SIGHUP (the plugin turns them into an interrupt
+  and names the signal); Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+# pytest's exit codes (_pytest.config.ExitCode) as the run's outcome word
+OUTCOME_BY_EXIT = {0: "passed", 1: "failed", 2: "interrupted", 3: "internal_error",
+                   4: "usage_error", 5: "no_tests"}
+_MAXFAIL = re.compile(r"stopping after (\d+) failures?")
+_SESSION_TIMEOUT = re.compile(r"session-timeout: ([\d.]+) sec")
+
+
+def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
+                exit_message: str = "", dead_workers: int = 0) -> dict[str, str]:
+    """Why a run stopped before its last test, as a kind and a sentence.
+
+    Args:
+        message: pytest's ``session.shouldstop``/``shouldfail`` or the text of the
+            ``Interrupted`` that ended the run (``stopping after 1 failures``,
+            ``session-timeout: 60 sec exceeded``, ``[gw0] node received
+            keyboard-interrupt``).
+        signal: ``SIGTERM``/``SIGHUP`` when one stopped the run.
+        interrupted: a KeyboardInterrupt ended the run (Ctrl-C unless ``message``
+            or ``signal`` says otherwise).
+        exit_message: the message of a ``pytest.exit()``.
+        dead_workers: xdist workers that died in a run that left tests unrun.
+
+    Returns:
+        ``{"kind", "reason"}``: ``maxfail``, ``timeout``, ``watchdog``,
+        ``signal``, ``exit``, ``ctrl_c``; ``{}`` for a run that was not stopped.
+
+    """
+    if m := _MAXFAIL.search(message):
+        n = int(m[1])
+        return {"kind": "maxfail", "reason": f"stopped after {n} "
+                f"failure{'s' if n != 1 else ''} (--maxfail={n}"
+                f"{' or -x' if n == 1 else ''})"}
+    if m := _SESSION_TIMEOUT.search(message):
+        return {"kind": "timeout", "reason": "stopped by the session timeout "
+                f"(--session-timeout={m[1]} s, pytest-timeout)"}
+    if dead_workers:
+        return {"kind": "watchdog", "reason": f"stopped after {dead_workers} xdist "
+                "worker(s) died (killed by a watchdog such as pytest-timeout's "
+                "thread method, or the OOM killer; the test each one ran is red)"}
+    if signal:
+        return {"kind": "signal", "reason": f"terminated by {signal}"}
+    if exit_message:
+        return {"kind": "exit", "reason": f"stopped by pytest.exit(): {exit_message}"}
+    if interrupted or "keyboard-interrupt" in message:
+        return {"kind": "ctrl_c", "reason": "interrupted by Ctrl-C"}
+    if message:
+        return {"kind": "other", "reason": f"stopped: {message}"}
+    return {}
+
+
+def outcome_reason(summary: Mapping[str, Any]) -> str:
+    """Why a run did not pass, in one line (``""`` for a run that passed).
+
+    Reads ``run`` (``outcome``, ``exit_status``, ``stop``, ``signal``),
+    ``counts`` and ``coverage`` of a ``summary.json`` (older files without
+    ``outcome`` are read by their ``exit_status``).
+
+    Returns:
+        e.g. ``stopped after 1 failure(s) (--maxfail=1 or -x); 12 test(s) never
+        ran``, ``terminated by SIGTERM; 12 test(s) never ran``, or ``coverage
+        gate (--tvc-require coverage) failed: the connector overrides
+        take_events but no test exercised it with a meaningful input``.
+
+    """
+    run = summary.get("run") or {}
+    c = summary.get("counts") or {}
+    status = int(run.get("exit_status", 0) or 0)
+    outcome = run.get("outcome") or OUTCOME_BY_EXIT.get(status, f"exit_{status}")
+    stop = (run.get("stop") or {}).get("reason", "")
+    if outcome == "passed" and not stop:
+        return ""
+    bad = int(c.get("failed", 0)) + int(c.get("error", 0))
+    never = int(c.get("not_run", 0))
+    never_s = f"; {never} test(s) never ran" if never else ""
+    cov = summary.get("coverage") or {}
+    if stop:
+        return f"{stop}{never_s}"
+    if outcome == "terminated":
+        return f"terminated by {run.get('signal') or 'a signal'}{never_s}"
+    if outcome == "interrupted":
+        return f"interrupted by Ctrl-C{never_s}"
+    if outcome == "failed" and not bad and cov.get("strict") and cov.get(
+            "missing_overridden"):
+        return ("coverage gate (--tvc-require coverage) failed: the connector "
+                f"overrides {', '.join(cov['missing_overridden'])} but no test "
+                "exercised it with a meaningful input")
+    if outcome == "failed":
+        return f"{bad} test(s) failed or errored" if bad else "pytest exit status 1"
+    return {"internal_error": "pytest hit an internal error",
+            "usage_error": "pytest was given bad arguments",
+            "no_tests": "no test ran (nothing collected or all deselected)",
+            }.get(outcome, f"pytest exit status {status}")
+
+
+def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
+    """(word, one-line explanation) for the run as a whole.
+
+    ``FAIL``: a test failed or errored (a ``--maxfail`` stop says so too), or
+    the coverage gate failed; ``INCOMPLETE``: the run stopped otherwise
+    (Ctrl-C, a signal, a timeout, dead workers) or pytest could not run it;
+    ``NOTHING PASSED``; ``PASS``; ``NO DATA`` without ``summary.json``.
+    """
+    c = s.get("counts") or {}
+    if not s:
+        return "NO DATA", "summary.json is missing"
+    bad = c.get("failed", 0) + c.get("error", 0)
+    run = s.get("run") or {}
+    reason = outcome_reason(dict(s))
+    stop = run.get("stop") or {}
+    if bad and stop.get("kind") == "maxfail":
+        return "FAIL", f"{bad} test(s) failed or errored; {reason}"
+    stopped = bool(stop) or run.get("outcome") in ("interrupted", "terminated") or (
+        run.get("exit_status") == 2)
+    if stopped or (c.get("not_run") and not bad):
+        head = f"{bad} test(s) failed or errored; " if bad else ""
+        return "INCOMPLETE", (f"{head}{reason or 'the run stopped'} — nothing "
+                              "after that point was checked")
+    if bad:
+        return "FAIL", f"{bad} test(s) failed or errored"
+    if reason.startswith("coverage gate"):
+        return "FAIL", reason
+    status = run.get("exit_status", 0)
+    if status not in (0, 5):
+        return "INCOMPLETE", (f"{reason or f'exit {status}'}; nothing was "
+                              "certified")
+    if not c.get("passed"):
+        return "NOTHING PASSED", ("every test was skipped, deselected or a known "
+                                  "upstream defect (xfailed)")
+    known = (f", {c['xfailed']} known upstream defect(s) (xfailed)"
+             if c.get("xfailed") else "")
+    return "PASS", (f"{c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped"
+                    f"{known}")
+
+
+def headline(s: Mapping[str, Any]) -> str:
+    """The verdict word with the run's scope when it was not complete.
+
+    ``PASS (CPU scope: 89 [cuda] variants not run; certify on a GPU host)``:
+    a pass (or nothing passed) that left out hardware levels or tiers says
+    which (:func:`tvc.report.scope.scope`); any other verdict is its word.
+    """
+    from tvc.report.scope import scope
+
+    word, _ = verdict(s)
+    sc = s.get("scope") or scope(s)
+    if word in ("PASS", "NOTHING PASSED") and not sc.get("complete", True):
+        return f"{word} ({sc['line']})"
+    return word

@@ -77,6 +77,7 @@ SUITE_PLUGINS = (
     "tvc.fixtures.trace",
     "tvc.fixtures.contract",
     "tvc.fixtures.daemon",
+    "tvc.fixtures.kv_server",
     "tvc.fixtures.store",
     "tvc.fixtures.pd",
     "tvc.plugin.compat_report",  # HarnessIncompatible -> an error, never a failure

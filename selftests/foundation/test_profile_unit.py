@@ -202,7 +202,7 @@ def test_builtin_profiles_load_without_environment(name: str) -> None:
 
 def test_tutti_profile_is_the_documented_config() -> None:
     """target-system.md, "Connector configuration"."""
-    cfg = load("tutti", env={}).kv_transfer_config()
+    cfg = load("tutti-operators", env={}).kv_transfer_config()
     assert cfg["kv_connector"] == "TuttiConnectorV1"
     assert cfg["kv_connector_module_path"] == "adapter.connector"
     assert cfg["kv_role"] == "kv_both"
@@ -216,7 +216,7 @@ def test_selection_order(monkeypatch) -> None:
     assert load(None, env={}).name == "example"
     monkeypatch.setenv("TVC_PROFILE", "cpu-offload")
     assert load(None, env={}).name == "cpu-offload"
-    assert load("tutti", env={}).name == "tutti"
+    assert load("tutti-operators", env={}).name == "tutti-operators"
     assert load(str(_profile(HEAD, "sel.toml")), env={}).name == "unit"
 
 
@@ -509,7 +509,7 @@ def test_bandwidth_grades_have_one_home() -> None:
             line = f"{key} = {default}"
             assert line not in path.read_text(), (path.name, line)
             assert prof["bandwidth"][key] > 0
-    assert load("tutti", env={})["bandwidth"]["numa_node_gbps"] == 28.0
+    assert load("tutti-operators", env={})["bandwidth"]["numa_node_gbps"] == 28.0
 
 
 @pytest.mark.parametrize("line, match", [

@@ -203,6 +203,34 @@ def worker_kv_layouts(profile: Profile, scratch: Path, **config_kw: Any
         return allowed_kv_layouts(cls, vc, env)
 
 
+def package_missing_reason(profile: Profile) -> str:
+    """Why the package of the profile's connector is absent ('' if it is installed).
+
+    For a vLLM connector whose code lives in another distribution
+    (``[package] name``, e.g. ``lmcache`` for ``LMCacheConnectorV1``): none of
+    the distributions the profile names is installed.
+    """
+    import sys
+
+    from packaging.requirements import Requirement
+
+    from tvc.env.pairings import installed_version
+
+    pkg = profile["package"]
+    if not pkg["name"]:
+        return ""
+    reqs = [r for p in pkg["pairings"] if p["works"] for r in p["requires"]]
+    names = [pkg["name"], *(Requirement(r).name for r in reqs)]
+    if any(installed_version(n) is not None for n in names):
+        return ""
+    fix = f"pip install {reqs[0]}" if reqs else f"pip install {pkg['name']}"
+    return (f"The connector {profile['connector']['name']} of profile "
+            f"{profile.name!r} needs the package {pkg['name']!r}, which is not "
+            f"installed in {sys.executable}, so its contract cannot be driven. "
+            f"Fix: {fix} (the profile's [package] pairings name the version for "
+            "each vLLM)")
+
+
 def adapter_missing_reason(profile: Profile) -> str:
     """Why the profile's out-of-tree connector module cannot be found ('' if it can).
 
@@ -214,7 +242,7 @@ def adapter_missing_reason(profile: Profile) -> str:
 
     mod = profile["connector"]["module_path"]
     if not mod:
-        return ""
+        return package_missing_reason(profile)
     try:
         found = importlib.util.find_spec(mod) is not None
     except ModuleNotFoundError:

@@ -516,6 +516,13 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if rep is not None:
         rep.meta["hardware"] = hw
+        from tvc.env.pairings import pairing_line
+
+        line = pairing_line(profile["package"], rep.meta["versions"]["vllm"],
+                            rep.meta["versions"]["torch"])
+        if line:  # one line before any test: does this package fit this vLLM?
+            config.stash[_NOTES].append(line)
+            rep.meta["profile"]["pairing"] = line
         state.run_dir = rep.run_dir
         config.pluginmanager.register(rep, "tvc-run-report")
 

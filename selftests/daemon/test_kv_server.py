@@ -199,3 +199,39 @@ def test_fixture_hands_the_server_over_and_names_it_when_it_dies(tmp_path: Path
     pid = int(run.stdout.split("SERVER_PID", 1)[1].split()[0])
     time.sleep(0.1)
     assert _gone(pid)
+
+
+OWNER = textwrap.dedent("""\
+    import os, signal, sys
+    from pathlib import Path
+    from tvc.procs import kv_server as ks
+    script, folder = sys.argv[1], Path(sys.argv[2])
+    ks.KINDS["fake"] = ks.Kind(
+        "the fake server", ("port",), lambda: [sys.executable, script],
+        lambda prefix, ports, args: [*prefix, "ok", str(ports["port"])],
+        lambda ports: ks.http_ok(f"http://127.0.0.1:{ports['port']}/"), "GET /",
+        lambda ports, folder: ({}, {}))
+    srv = ks.KvServer(ks.KvServerSpec("fake", folder, start_timeout_s=20))
+    srv.start()
+    print(srv.proc.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of ours runs
+""")
+
+
+def test_server_dies_with_a_killed_suite(tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE)
+    owner = tmp_path / "owner.py"
+    owner.write_text(OWNER)
+    proc = subprocess.run([sys.executable, str(owner), str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    for _ in range(50):
+        if _gone(pid):
+            break
+        time.sleep(0.1)
+    assert _gone(pid), "the server outlived the SIGKILLed suite"

@@ -305,9 +305,14 @@ class KvServer:
                                                                self.spec.folder)
         env = {**os.environ, **NO_TELEMETRY, **self.spec.env}
         self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
+        from tvc.procs.vllm_server import _die_with_parent
+
+        # the server dies with the suite even when the suite is SIGKILLed (its
+        # own clean-up never runs then): Linux's PR_SET_PDEATHSIG, as vllm serve
         self.proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
             self.argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads in between
         try:
             wait_until(self._started, self.spec.start_timeout_s, self.poll_s,
                        f"{self.kind.label} to answer ({self.kind.health_what})")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from selftests.conftest import run_suite
+from selftests.conftest import REPO_ROOT, run_suite
 from selftests.foundation.fakes import minimal_profile
 from selftests.foundation.synthetic import write_tests
 from tvc.procs import kv_server as ks
@@ -227,7 +227,7 @@ def test_server_dies_with_a_killed_suite(tmp_path: Path) -> None:
     owner.write_text(OWNER)
     proc = subprocess.run([sys.executable, str(owner), str(script), str(tmp_path)],
                           capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pid = int(proc.stdout.split()[0])
     for _ in range(50):

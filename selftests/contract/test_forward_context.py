@@ -104,3 +104,27 @@ def test_a_context_without_layers_is_what_the_layer_finder_refuses(
     with pytest.raises(EngineStepError, match="raised RuntimeError: no attention "
                        "layer in the forward context"):
         _store_and_replay(_profile(tmp_path, "ForwardContextLayersConnector", "V2"))
+
+
+def test_a_scheduler_that_asks_its_worker_gets_no_rig_without_one(tmp_path: Path
+                                                                   ) -> None:
+    """connector.lookups_need_worker: refused before any lookup could wait."""
+    from tvc.contract.driver import NoWorkerHere
+
+    text = _profile(tmp_path, "ForwardContextProbeConnector", "V2").source.read_text()
+    cuda_only = tmp_path / "cuda-only.toml"
+    cuda_only.write_text(text.replace('worker_devices = ["cpu"]',
+                                      'worker_devices = ["cuda"]\n'
+                                      "lookups_need_worker = true"))
+    prof = load(str(cuda_only))
+    for kw in ({}, {"scheduler_only": True}):
+        with pytest.raises(NoWorkerHere, match=r"asks its worker for every lookup "
+                           r"\(connector.lookups_need_worker\)"):
+            C.make_rig(prof, prof.scratch / "contract", num_blocks=64, **kw)
+    with_worker = tmp_path / "cpu.toml"
+    with_worker.write_text(text.replace('worker_devices = ["cpu"]',
+                                        'worker_devices = ["cpu"]\n'
+                                        "lookups_need_worker = true"))
+    rig = C.make_rig(load(str(with_worker)), tmp_path / "scratch" / "contract",
+                     num_blocks=64)
+    rig.worker.close()

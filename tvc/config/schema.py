@@ -183,6 +183,10 @@ class ConnectorSection(Section):
         "in the pytest process for the in-process tiers (level1, contract) from "
         "the start of the run to its end, and for every vLLM server under [vllm] "
         "env, e.g. { LMCACHE_TRACK_USAGE = \"false\" }")
+    lookups_need_worker: bool = Field(
+        False, description="the scheduler side asks the worker side for every "
+        "lookup (it would wait without one): the contract tier refuses a rig "
+        "without the real worker before its first lookup")
 
     @staticmethod
     def _variables(info: ValidationInfo) -> dict[str, int | float]:

@@ -19,7 +19,7 @@ from tvc.contract.builders import (
     make_vllm_config,
 )
 from tvc.contract.coverage import CoverageLog
-from tvc.contract.driver import EngineDriver
+from tvc.contract.driver import EngineDriver, NoWorkerHere, no_worker_message
 from tvc.contract.layout import (
     LAYOUT_ENV,
     allowed_kv_layouts,
@@ -130,6 +130,16 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         real_worker = device in devices
     spec = profile["connector"]["worker_report"]
     worker: Any = None
+    why = ("this test drives the scheduler side only" if scheduler_only else
+           f"rig device {device!r}, connector.worker_devices = {devices}")
+    if profile["connector"]["lookups_need_worker"] and not real_worker:
+        # e.g. MooncakeStoreConnector: LookupKeyClient sends each lookup to
+        # worker rank 0 and waits in socket.recv() with no timeout (vLLM 0.28.0
+        # mooncake/store/worker.py L2037-L2049): no scheduler is built at all
+        raise NoWorkerHere(no_worker_message(
+            f"{why}; {profile['connector']['name']}'s scheduler side asks its "
+            "worker for every lookup (connector.lookups_need_worker) and would "
+            "wait for it without end, so no rig is built without the real worker"))
     with vllm_env(env):
         vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
         runner = decide_model_runner(vc, env)
@@ -143,8 +153,6 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                 raise
         elif spec and spec != BUILTIN_STANDIN:
             worker = load_worker_report(spec, vc, kcc, sched.connector)
-    why = ("this test drives the scheduler side only" if scheduler_only else
-           f"rig device {device!r}, connector.worker_devices = {devices}")
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,
                           on_no_worker=on_no_worker)

@@ -252,13 +252,16 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         r"",
         r"TypeError.*build_connector_meta|build_connector_meta.*TypeError"
         r"|raised TypeError.*(NoneType|object of type)",
-        "CPU, vLLM 0.28.0, lmcache 0.5.6 (issue 29): one engine step with an "
-        "embeddings-only request (the exploration's 'embeds:' tenant) — the "
-        "scheduler side builds its request tracker from prompt_token_ids, which "
-        "is None for such a request",
-        "lmcache 0.5.6 lmcache/integration/vllm/vllm_v1_adapter.py "
-        "LMCacheConnectorV1Impl.build_connector_meta (RequestTracker.from_new_request "
-        "over new_request.prompt_token_ids)",
+        "CPU, vLLM 0.28.0, lmcache 0.5.6 (reproduced 2026-12-04): the "
+        "exploration's tenants family, engine step 1 of an embeddings-only "
+        "request: replay_explorer('lmcache', family='tenants', policy='recompute')"
+        ".warm([(1, 1), (1, 1), (1, 1)], tenant='embeds:tvc-table-b') raises "
+        "TypeError: object of type 'NoneType' has no len()",
+        "lmcache 0.5.6 lmcache/integration/vllm/vllm_v1_adapter.py L190 "
+        "RequestTracker.from_new_request (prompt_len=len(new_request."
+        "prompt_token_ids), None for prompt_embeds), called from "
+        "LMCacheConnectorV1Impl.build_connector_meta L1665; vLLM 0.28.0 "
+        "lmcache_connector.py L301",
         connector="LMCacheConnectorV1",
         link="",  # a new finding (issue 29): not filed upstream yet
         vllm=">=0.28", package="lmcache>=0.5.6"),

@@ -8,7 +8,7 @@
 #   scripts/gpu/real.sh mp        level1 + contract + e2e of profile lmcache-mp
 #   scripts/gpu/real.sh harness   the worker-harness self-tests on CUDA (forward context)
 # Needs `scripts/gpu/session.sh setup` first (the vLLM bundle in /root/vllm-bundle).
-# Done when (issue 29): lmcache is refused with LMCache#4463 named by both the
+# Done when: lmcache is refused with LMCache#4463 named by both the
 # contract and the e2e tier (finding lmcache-packed-kv-corruption in each run's
 # summary.json); lmcache-mp runs every tier it can and ends certified or with
 # named findings. Run folders go to $RESULTS, one tgz to $OUT.

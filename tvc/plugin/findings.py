@@ -238,7 +238,7 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         r"|differs from the baseline|output differs",
         "H200, vLLM 0.26.0, lmcache 0.5.3: LMCache logs 'Retrieved 768 out of 768 "
         "required tokens', pass 2 differs from pass 1 at token 0 (top-2 gap "
-        "0.1-0.7 nats), on the V2 and the V1 model runner (issue 29); vLLM PR "
+        "0.1-0.7 nats), on the V2 and the V1 model runner (2026-12); vLLM PR "
         "#44455 introduced the packed layout; see also ai-dynamo/dynamo#14416",
         "LMCache lmcache/v1/gpu_connector (the paged KV format it assumes); vLLM "
         "0.26.0 FlashAttention per-layer KV (num_blocks, H, B, 2*D)",
@@ -263,7 +263,7 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "LMCacheConnectorV1Impl.build_connector_meta L1665; vLLM 0.28.0 "
         "lmcache_connector.py L301",
         connector="LMCacheConnectorV1",
-        link="",  # a new finding (issue 29): not filed upstream yet
+        link="",  # a new finding: not filed upstream yet
         vllm=">=0.28", package="lmcache>=0.5.6"),
 )
 

@@ -46,3 +46,13 @@ def test_a_platform_wheel_named_by_a_pairing_is_the_one_checked():
 
 def test_a_profile_without_package_says_nothing():
     assert pairing_line(load("example", env={})["package"], "0.28.0", "2.13.0") == ""
+
+
+def test_a_post_release_is_its_own_version():
+    pkg = load("mooncake-store", env={})["package"]
+    line = pairing_line(pkg, "0.28.0", "2.13.0+cpu", _installed(
+        **{"mooncake-transfer-engine-non-cuda": "0.3.13.post1"}))
+    assert ": known to work: " in line, line
+    older = pairing_line(pkg, "0.28.0", "2.13.0+cpu", _installed(
+        **{"mooncake-transfer-engine-non-cuda": "0.3.13"}))
+    assert "not among the profile's pairings" in older, older

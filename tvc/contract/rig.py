@@ -132,7 +132,8 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
     worker: Any = None
     why = ("this test drives the scheduler side only" if scheduler_only else
            f"rig device {device!r}, connector.worker_devices = {devices}")
-    if profile["connector"]["lookups_need_worker"] and not real_worker:
+    if profile["connector"]["lookups_need_worker"] and not real_worker and \
+            _rig_runs_profile_connector(profile, config_kw):
         # e.g. MooncakeStoreConnector: LookupKeyClient sends each lookup to
         # worker rank 0 and waits in socket.recv() with no timeout (vLLM 0.28.0
         # mooncake/store/worker.py L2037-L2049): no scheduler is built at all
@@ -158,6 +159,21 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                           on_no_worker=on_no_worker)
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
+
+
+def _rig_runs_profile_connector(profile: Profile, config_kw: dict[str, Any]
+                                ) -> bool:
+    """Whether a rig's connector is the profile's (itself or inside the fault wrapper).
+
+    A test may build a rig of another ``kv_transfer_config`` (a wrong class name,
+    a wrong module path): vLLM judges that one, not the profile's connector.
+    """
+    ktc = config_kw.get("kv_transfer_config") or profile.kv_transfer_config()
+    inner = ((ktc.get("kv_connector_extra_config") or {}).get("tvc_fault") or {}
+             ).get("inner") or {}
+    want = (profile["connector"]["name"], profile["connector"]["module_path"])
+    return any((c.get("kv_connector"), c.get("kv_connector_module_path", ""))
+               == want for c in (ktc, inner))
 
 
 def note_rig(log: CoverageLog, vllm_config: Any, kv_cache_config: Any,

@@ -33,7 +33,7 @@ def _holds(spec: str, version: str | None) -> bool:
         return False
     try:
         return Requirement(f"x{spec}").specifier.contains(
-            Version(version).base_version, prereleases=True)
+            Version(version).public, prereleases=True)
     except InvalidVersion:
         return False
 

@@ -91,7 +91,7 @@ class KnownDefect:
                 continue
             try:
                 ok = Requirement(f"x{spec}").specifier.contains(
-                    Version(have).base_version, prereleases=True)
+                    Version(have).public, prereleases=True)
             except InvalidVersion:
                 continue
             if not ok:

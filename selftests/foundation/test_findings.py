@@ -106,7 +106,8 @@ LMCACHE = {"name": "lmcache", "source": "lmcache.toml",
 
 def test_lmcache_corruption_is_matched_only_on_the_versions_it_applies_to() -> None:
     node = "suites/e2e/test_external_prefix_hit.py::test_second_pass_is_served[x]"
-    msg = "pass 2 output differs from the baseline at token 0 (768 hit tokens)"
+    msg = ("pass 2 differs from the baseline; pass 1 agrees with the baseline — the "
+           "KV the connector loaded is wrong (the connector, not vLLM): token 0")
     on_026 = findings([_t(node, msg)], LMCACHE,
                       versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
     assert [f["key"] for f in on_026] == ["lmcache-packed-kv-corruption"]
@@ -118,6 +119,17 @@ def test_lmcache_corruption_is_matched_only_on_the_versions_it_applies_to() -> N
     other = findings([_t(node, msg)], {**LMCACHE, "connector": "ExampleConnector"},
                      versions={"vllm": "0.26.0"})
     assert [f["key"] for f in other] == ["test"]
+    server_side = ("pass 1 differs from the baseline while pass 2 agrees with it — "
+                   "the connector server computes the prompt differently")
+    got = findings([_t(node, server_side)], LMCACHE, versions={"vllm": "0.26.0"})
+    assert [f["key"] for f in got] == ["test"], got
+    harness = ("request r1: layer model.layers.0.self_attn.attn: token 0 (block 3, "
+               "offset 0) does not hold the KV that was stored for it (512 of 512 "
+               "tokens differ)")
+    node2 = "suites/contract/test_worker_roundtrip.py::test_x[B16-cuda-NHD]"
+    got = findings([_t(node2, harness)], LMCACHE,
+                   versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
+    assert [f["key"] for f in got] == ["lmcache-packed-kv-corruption"], got
 
 
 def test_lmcache_prompt_embeds_typeerror_is_a_finding() -> None:

@@ -235,7 +235,7 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "corrupt",
         r"",
         r"does not hold the KV that was stored for it"
-        r"|differs from the baseline|output differs",
+        r"|the KV the connector loaded (is wrong|differs)",
         "H200, vLLM 0.26.0, lmcache 0.5.3: LMCache logs 'Retrieved 768 out of 768 "
         "required tokens', pass 2 differs from pass 1 at token 0 (top-2 gap "
         "0.1-0.7 nats), on the V2 and the V1 model runner (2026-12); vLLM PR "

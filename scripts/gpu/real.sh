@@ -64,14 +64,14 @@ case ${1:?phase: setup, lmcache, mp or harness} in
   lmcache)
     pt lmcache-contract -m contract -k "cuda" --tvc-profile lmcache --tvc-require gpu
     pt lmcache-e2e -m e2e --tvc-profile lmcache --tvc-require gpu \
-      -k "test_second_pass or different_prompt or block_boundaries"
+      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
     pack lmcache
     ;;
   mp)
     pt mp-level1 -m level1 --tvc-profile lmcache-mp --tvc-require gpu
     pt mp-contract -m contract -k "cuda" --tvc-profile lmcache-mp --tvc-require gpu
     pt mp-e2e -m e2e --tvc-profile lmcache-mp --tvc-require gpu \
-      -k "test_second_pass or different_prompt or block_boundaries"
+      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
     pack mp
     ;;
   harness)

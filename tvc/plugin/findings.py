@@ -252,7 +252,7 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         r"",
         r"TypeError.*build_connector_meta|build_connector_meta.*TypeError"
         r"|raised TypeError.*(NoneType|object of type)",
-        "CPU, vLLM 0.28.0, lmcache 0.5.6 (reproduced 2026-12-04): the "
+        "CPU, vLLM 0.28.0 and 0.33.0, lmcache 0.5.6 (reproduced 2026-12-04): the "
         "exploration's tenants family, engine step 1 of an embeddings-only "
         "request: replay_explorer('lmcache', family='tenants', policy='recompute')"
         ".warm([(1, 1), (1, 1), (1, 1)], tenant='embeds:tvc-table-b') raises "

@@ -137,10 +137,13 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         # e.g. MooncakeStoreConnector: LookupKeyClient sends each lookup to
         # worker rank 0 and waits in socket.recv() with no timeout (vLLM 0.28.0
         # mooncake/store/worker.py L2037-L2049): no scheduler is built at all
-        raise NoWorkerHere(no_worker_message(
+        msg = no_worker_message(
             f"{why}; {profile['connector']['name']}'s scheduler side asks its "
             "worker for every lookup (connector.lookups_need_worker) and would "
-            "wait for it without end, so no rig is built without the real worker"))
+            "wait for it without end, so no rig is built without the real worker")
+        if on_no_worker is not None:
+            on_no_worker(msg)  # the fixtures' hardware skip on a box without CUDA
+        raise NoWorkerHere(msg)
     with vllm_env(env):
         vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
         runner = decide_model_runner(vc, env)

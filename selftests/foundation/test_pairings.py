@@ -31,9 +31,9 @@ def test_known_pairing_untested_version_and_missing_package():
     odd = pairing_line(pkg, "0.28.0", "2.13.0+cpu", _installed(lmcache="0.5.2"))
     assert "not among the profile's pairings (untested)" in odd
     assert odd.endswith("known to work with vLLM 0.28.0: lmcache==0.5.6")
-    none = pairing_line(pkg, "0.33.0", "2.14.0", _installed())
-    assert none == ("pairing: lmcache is not installed (vLLM 0.33.0, torch 2.14.0); "
-                    "no version is known to work with vLLM 0.33.0")
+    none = pairing_line(pkg, "0.34.0", "2.15.0", _installed())
+    assert none == ("pairing: lmcache is not installed (vLLM 0.34.0, torch 2.15.0); "
+                    "no version is known to work with vLLM 0.34.0")
 
 
 def test_a_platform_wheel_named_by_a_pairing_is_the_one_checked():

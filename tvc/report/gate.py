@@ -38,7 +38,7 @@ REFERENCE = ("example", "cpu-offload")
 #: cannot run one: no package, no hardware)
 REAL_TARGETS = ("lmcache", "lmcache-mp", "mooncake-store", "tutti")
 #: one certification's wall-clock limit (s): the device tool allows 600 s a
-#: command; issue 35 asks for <= 150 s per reference profile on one H200
+#: command; the target is <= 150 s per reference profile on one H200
 DEFAULT_TIMEOUT_S = 280
 
 _VERDICT = re.compile(r"^certify: \S+ (?P<verdict>.+?) in \d+h\d\dm\d\ds ")

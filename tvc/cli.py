@@ -502,6 +502,10 @@ def merge_cmd(run_dirs: Sequence[str], out: str) -> int:
         print(f"  {h['label']} ({h['profile']}, {h['hardware']}): {h['verdict']}; "
               f"passed {c['passed']}, failed {c['failed']}, error {c['error']}, "
               f"skipped {c['skipped']}")
+    from tvc.report.matrix import markdown
+
+    print("connector x package x vLLM x hardware:")
+    print(markdown(f["matrix"]), end="")
     for name, path in fleet["files"].items():
         print(f"{name}: {path}")
     return 0 if f["verdict"] == "PASS" else 1

@@ -387,3 +387,30 @@ def test_certify_from_an_installed_package_plans_where_the_user_stands(
     assert cli.find_root(None) == REPO_ROOT
     assert cli.find_root(str(here)) is None  # --root without suites/
     assert cli.main(["certify", "--root", str(here), "example"]) == 2
+
+
+def test_merge_renders_the_connector_package_vllm_hardware_matrix(tmp_path, capsys
+                                                                   ) -> None:
+    """Runs of two vLLM versions fold into one verdict per cell, worst run first."""
+    runs = fleet(tmp_path / "in")  # vLLM 0.28.0: gpu-a PASS, gpu-b FAIL (1 GPU)
+    older = make_run(tmp_path / "in", "20261201-090000-example", "gpu-e",
+                     ["passed", "passed", "passed"])
+    s = json.loads((older / "summary.json").read_text())
+    s["versions"]["vllm"] = "0.26.0"
+    s["profile"]["package"] = {"name": "lmcache", "version": "0.5.3"}
+    (older / "summary.json").write_text(json.dumps(s))
+    out = tmp_path / "fleet"
+    assert cli.main(["merge", *map(str, runs), str(older), "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    table = json.loads((out / "summary.json").read_text())["fleet"]["matrix"]
+    cells = {(r["package"], r["vllm"], r["hardware"]): r for r in table}
+    one = ("(vLLM's own)", "0.28.0", "1 x NVIDIA H200 (gpu)")
+    assert cells[one]["verdict"] == "FAIL"  # gpu-b's FAIL outranks gpu-a's PASS
+    assert len(cells[one]["runs"]) == 3  # gpu-a, gpu-b, gpu-c
+    assert cells[one]["uncatalogued"] == 2
+    assert cells[("lmcache 0.5.3", "0.26.0", "1 x NVIDIA H200 (gpu)")]["verdict"] == \
+        "PASS"
+    assert table[0]["verdict"] == "FAIL"  # worst first
+    assert "| ExampleConnector | lmcache 0.5.3 | 0.26.0 | 1 x NVIDIA H200 (gpu) " \
+        "| PASS | 3 | 0 | — | 1 |" in printed
+    assert (out / "matrix.md").read_text().startswith("| connector | package |")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tvc.plugin.error_hints import hint_prefix
-from tvc.plugin.findings import findings
+from tvc.plugin.findings import CATALOGUE, findings
 
 pytestmark = [pytest.mark.hw_any]
 
@@ -91,13 +91,55 @@ def _dropped(kind: str) -> str:
             "reported as stored")
 
 
-def test_dropped_worker_commits_are_tutti_only_with_tutti_metadata() -> None:
+def test_withdrawn_residency_finding_is_gone() -> None:
+    """docs/tutti.md withdrew tutti-residency-unpublished (an older reconstruction
+    file, not a Tutti defect): such a red is a plain test failure now."""
     node = "suites/contract/test_worker_roundtrip.py::t[B16-H2-D64-cuda-NHD]"
     got = findings([_t(node, _dropped("TuttiWorkerMetadata"))], PROFILE)
-    assert [f["key"] for f in got] == ["tutti-residency-unpublished"], got
-    assert got[0]["reproduction"] and got[0]["source"]
-    other = findings([_t(node, _dropped("StoredPrefixes"))], PROFILE)
-    assert [f["key"] for f in other] == ["test"], other
+    assert [f["key"] for f in got] == ["test"], got
+    assert "tutti-residency-unpublished" not in {d.key for d in CATALOGUE}
+
+
+LMCACHE = {"name": "lmcache", "source": "lmcache.toml",
+           "connector": "LMCacheConnectorV1"}
+
+
+def test_lmcache_corruption_is_matched_only_on_the_versions_it_applies_to() -> None:
+    node = "suites/e2e/test_external_prefix_hit.py::test_second_pass_is_served[x]"
+    msg = ("pass 2 differs from the baseline; pass 1 agrees with the baseline — the "
+           "KV the connector loaded is wrong (the connector, not vLLM): token 0")
+    on_026 = findings([_t(node, msg)], LMCACHE,
+                      versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
+    assert [f["key"] for f in on_026] == ["lmcache-packed-kv-corruption"]
+    assert on_026[0]["link"] == "https://github.com/LMCache/LMCache/issues/4463"
+    assert on_026[0]["applies_to"] == "vLLM >=0.26,<0.27, lmcache>=0.5.3"
+    on_028 = findings([_t(node, msg)], LMCACHE,
+                      versions={"vllm": "0.28.0", "lmcache": "0.5.6"})
+    assert [f["key"] for f in on_028] == ["test"], on_028
+    other = findings([_t(node, msg)], {**LMCACHE, "connector": "ExampleConnector"},
+                     versions={"vllm": "0.26.0"})
+    assert [f["key"] for f in other] == ["test"]
+    server_side = ("pass 1 differs from the baseline while pass 2 agrees with it — "
+                   "the connector server computes the prompt differently")
+    got = findings([_t(node, server_side)], LMCACHE, versions={"vllm": "0.26.0"})
+    assert [f["key"] for f in got] == ["test"], got
+    harness = ("request r1: layer model.layers.0.self_attn.attn: token 0 (block 3, "
+               "offset 0) does not hold the KV that was stored for it (512 of 512 "
+               "tokens differ)")
+    node2 = "suites/contract/test_worker_roundtrip.py::test_x[B16-cuda-NHD]"
+    got = findings([_t(node2, harness)], LMCACHE,
+                   versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
+    assert [f["key"] for f in got] == ["lmcache-packed-kv-corruption"], got
+
+
+def test_lmcache_prompt_embeds_typeerror_is_a_finding() -> None:
+    node = ("suites/contract/test_exploration.py::test_contract_holds_over_explored_"
+            "event_sequences[tenants]")
+    msg = ("engine step 3 (scheduler step) raised TypeError: object of type "
+           "'NoneType' has no len() inside LMCacheConnectorV1.build_connector_meta")
+    got = findings([_t(node, msg)], LMCACHE,
+                   versions={"vllm": "0.28.0", "lmcache": "0.5.6"})
+    assert [f["key"] for f in got] == ["lmcache-prompt-embeds-typeerror"], got
 
 
 def test_one_defect_seen_by_several_tests_is_one_finding() -> None:

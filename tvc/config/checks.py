@@ -120,6 +120,29 @@ def check_specifier(text: str, key: str = "") -> str:
     return text
 
 
+def check_requirement(text: str, key: str = "") -> str:
+    """Raise :class:`Refusal` unless ``text`` is a PEP 508 requirement with a version.
+
+    A pairing names the versions it is about (``lmcache==0.5.3``,
+    ``lmcache>=0.5.4``): a bare name or an unusable specifier is refused.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if len(text) > MAX_SPECIFIER_CHARS:
+        raise Refusal(f"{len(text)} characters, over the limit of "
+                      f"{MAX_SPECIFIER_CHARS}", key)
+    try:
+        req = Requirement(text)
+    except InvalidRequirement:
+        raise Refusal(f"{shorten(text)} is not a PEP 508 requirement (e.g. "
+                      "'lmcache==0.5.3')", key) from None
+    if not str(req.specifier):
+        raise Refusal(f"{shorten(text)} names no version (e.g. "
+                      f"'{req.name}==1.2.3')", key)
+    check_specifier(str(req.specifier), key)
+    return text
+
+
 def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "") -> None:
     """Refuse a hit rule that is not a possible hit at every probe length and block.
 

@@ -183,6 +183,10 @@ class ConnectorSection(Section):
         "in the pytest process for the in-process tiers (level1, contract) from "
         "the start of the run to its end, and for every vLLM server under [vllm] "
         "env, e.g. { LMCACHE_TRACK_USAGE = \"false\" }")
+    lookups_need_worker: bool = Field(
+        False, description="the scheduler side asks the worker side for every "
+        "lookup (it would wait without one): the contract tier refuses a rig "
+        "without the real worker before its first lookup")
 
     @staticmethod
     def _variables(info: ValidationInfo) -> dict[str, int | float]:
@@ -578,6 +582,81 @@ class KnownFailure(Section):
         return checks.check_specifier(spec) if _final(info) and spec else spec
 
 
+class Pairing(Section):
+    """One ``package.pairings`` entry: versions that work with a vLLM, or cannot."""
+
+    vllm: str = Field(description="PEP 440 specifier of the vLLM versions the "
+                      "entry is for")
+    torch: str = Field("", description="PEP 440 specifier of the torch versions; "
+                       "empty = any")
+    requires: list[str] = Field(description="PEP 508 requirements of the pairing, "
+                                "e.g. [\"lmcache==0.5.3\"]")
+    works: bool = Field(True, description="true: known to work (seen); false: "
+                        "cannot work (e.g. no wheel for that torch)")
+    why: str = Field(description="the reason, one sentence: what was seen, or what "
+                     "is missing")
+
+    @field_validator("vllm")
+    @classmethod
+    def _vllm(cls, value: str, info: ValidationInfo) -> str:
+        return checks.check_specifier(value) if _final(info) else value
+
+    @field_validator("torch")
+    @classmethod
+    def _torch(cls, value: str, info: ValidationInfo) -> str:
+        return checks.check_specifier(value) if _final(info) and value else value
+
+    @field_validator("requires")
+    @classmethod
+    def _requires(cls, reqs: list[str], info: ValidationInfo) -> list[str]:
+        for req in reqs if _final(info) else ():
+            checks.check_requirement(req)
+        return reqs
+
+    @field_validator("why")
+    @classmethod
+    def _why(cls, why: str, info: ValidationInfo) -> str:
+        if _final(info) and not why.strip():
+            raise Refusal("empty (say what was seen or what is missing)")
+        return why
+
+
+class PackageSection(Section):
+    """``[package]``: the distribution the connector comes from, and its pairings."""
+
+    name: str = Field("", description="distribution name of the connector's package "
+                      "(e.g. lmcache); empty = vLLM's own connector")
+    pairings: list[Pairing] = Field(
+        [], description="package versions known to work (or not) with each vLLM: "
+        "[{vllm = \"==0.28.0\", requires = [\"lmcache==0.5.6\"], why = \"...\"}]; "
+        "the run names the matching entry in one line before any test")
+
+
+KV_SERVER_KINDS = ("lmcache", "mooncake_master")
+
+
+class KvServerSection(Section):
+    """``[kv_server]``: the connector's own server, started once per session."""
+
+    kind: str = Field("", description="lmcache (LMCache's multiprocess server, for "
+                      "LMCacheMPConnector) or mooncake_master (Mooncake's master, "
+                      "for MooncakeStoreConnector); empty = none",
+                      examples=list(KV_SERVER_KINDS))
+    args: list[str] = Field([], description="extra command-line arguments")
+    env: dict[str, Any] = Field({}, description="extra environment of the server "
+                                "(strings)")
+    start_timeout_s: float = bounded(60.0, 3600.0, "seconds in an hour", "seconds "
+                                     "to wait for the server to answer")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, kind: str, info: ValidationInfo) -> str:
+        if _final(info) and kind and kind not in KV_SERVER_KINDS:
+            raise Refusal(f"{shorten(kind)} is not one of "
+                          f"{', '.join(KV_SERVER_KINDS)} (or empty)")
+        return kind
+
+
 class ProfileModel(Section):
     """A whole profile: its sections and its ``[[known_failures]]``."""
 
@@ -594,6 +673,8 @@ class ProfileModel(Section):
     trace: TraceSection = TraceSection()
     e2e: E2eSection = E2eSection()
     pd: PdSection = PdSection()
+    package: PackageSection = PackageSection()
+    kv_server: KvServerSection = KvServerSection()
     known_failures: list[KnownFailure] = Field(
         [], description="upstream defects of this connector class: their tests "
         "xfail, inherited by an extending profile of the same class")
@@ -616,7 +697,8 @@ SECTIONS: dict[str, type[Section]] = {
 REQUIRED = object()  # the default of a required key in SCHEMA
 _TAGS: dict[Any, Any] = {str: str, int: int, float: float, bool: bool,
                          list[str]: "list[str]", list[int]: "list[int]",
-                         dict[str, Any]: "dict", list[HitRule]: "list[dict]"}
+                         dict[str, Any]: "dict", list[HitRule]: "list[dict]",
+                         list[Pairing]: "list[dict]"}
 
 
 def _default(info: FieldInfo) -> Any:
@@ -682,6 +764,7 @@ def markdown() -> str:
     models: list[tuple[str, type[Section]]] = [
         *((f"[{name}]", model) for name, model in SECTIONS.items()),
         ("connector.hit_rules entries", HitRule),
+        ("package.pairings entries", Pairing),
         ("[[known_failures]]", KnownFailure)]
     for title, model in models:
         lead = (model.__doc__ or "").split("\n")[0].replace("``", "`")

@@ -40,12 +40,13 @@ Differences handled (0.26/0.28 -> 0.33):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import importlib.metadata as md
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -494,26 +495,88 @@ def _allocate_by_backend_shape(vllm_config: Any, kv_cache_config: Any, device: s
 
 
 # ------------------------------------------------------------- worker plumbing
-def forward_context(kv_caches: Mapping[str, Any]) -> Any:
-    """The forward context the worker harness hands the connector.
+class HarnessAttentionLayer:
+    """What the harness puts in ``static_forward_context`` for one attention layer.
 
-    What connectors read from ``vllm.forward_context.ForwardContext`` (0.26-0.33,
-    e.g. ``ExampleConnector.start_load_kv``): ``no_compile_layers[name].kv_cache``
-    (the layer's KV tensor), ``attn_metadata`` (per-layer dict) and
-    ``virtual_engine``.
+    vLLM's model registers each ``Attention`` module there by its layer name and
+    the GPU model runner binds its KV tensor to it
+    (``vllm/v1/worker/utils.py bind_kv_cache``: ``forward_context[layer_name]
+    .kv_cache = kv_cache`` in 0.26.0 L536-L538; ``layer.bind_kv_cache(kv_cache)``,
+    which stores it as ``self.kv_cache``, in 0.28.0 L549-L550 and
+    ``attention_layer_base.py``). A connector that finds layers through the
+    forward context (LMCache's ``_init_kv_caches_from_forward_context``,
+    ExampleConnector's ``start_load_kv``) reads ``layer_name`` and ``kv_cache``.
+    """
+
+    def __init__(self, layer_name: str, kv_cache: Any) -> None:
+        self.layer_name = layer_name
+        self.kv_cache = kv_cache
+
+    def bind_kv_cache(self, kv_cache: Any) -> None:
+        """Bind the layer's KV tensor (``AttentionLayerBase.bind_kv_cache``)."""
+        self.kv_cache = kv_cache
+
+
+@contextlib.contextmanager
+def engine_forward_context(vllm_config: Any, kv_caches: Mapping[str, Any],
+                           slot_mapping: Mapping[str, Any] | None = None,
+                           num_tokens: int | None = None,
+                           with_metadata: bool = True) -> Iterator[Any]:
+    """The forward context of vLLM around a harness step, as the model runner sets it.
+
+    The GPU model runner calls the connector's per-step methods inside
+    ``vllm.forward_context.set_forward_context(attn_metadata, vllm_config,
+    num_tokens=..., slot_mapping=...)``: the V1 runner the whole connector
+    lifecycle (``gpu_model_runner.py`` 0.28.0 L4548-L4563 with
+    ``kv_connector_model_runner_mixin.py`` L78-L112: bind, ``start_load_kv(
+    get_forward_context())``, the forward, ``wait_for_save``, ``get_finished``
+    ... ``clear_connector_metadata``), the V2 runner ``pre_forward`` only
+    (``gpu/model_runner.py`` 0.28.0 L1644-L1655, ``gpu/kv_connector.py``
+    L61-L75; ``post_forward`` runs after the block, L1739). The context's
+    ``no_compile_layers`` is ``compilation_config.static_forward_context``
+    (``forward_context.py`` ``create_forward_context``, L230): the attention
+    layers by name, each bound to its KV tensor. Same code in 0.26.0.
 
     Args:
-        kv_caches: layer name -> KV tensor.
+        vllm_config: the rig's config (its ``static_forward_context`` is filled
+            with a :class:`HarnessAttentionLayer` per layer that has none).
+        kv_caches: layer name -> the KV tensor registered with the connector
+            (per-layer views of a cross-layer tensor too).
+        slot_mapping: layer name -> long tensor ``(num_tokens,)`` of this step's
+            slots (``block_id * B + offset``), as the runner hands it.
+        num_tokens: tokens scheduled in this step.
+        with_metadata: False for a step without a forward (the runner's
+            ``kv_connector_no_forward`` passes ``attn_metadata=None``).
 
-    Returns:
-        a namespace with those attributes.
+    Yields:
+        ``get_forward_context()``: vLLM's ``ForwardContext``.
+
+    Raises:
+        HarnessIncompatible: this vLLM has no ``set_forward_context``.
 
     """
-    return SimpleNamespace(
-        no_compile_layers={n: SimpleNamespace(kv_cache=t)
-                           for n, t in kv_caches.items()},
-        attn_metadata={n: SimpleNamespace(layer_name=n) for n in kv_caches},
-        virtual_engine=0)
+    try:
+        from vllm.forward_context import get_forward_context, set_forward_context
+    except ImportError as exc:
+        raise HarnessIncompatible("vllm.forward_context.set_forward_context",
+                                  str(exc)) from None
+    static = vllm_config.compilation_config.static_forward_context
+    for name, kv in kv_caches.items():
+        layer = static.get(name)
+        if layer is None:
+            static[name] = HarnessAttentionLayer(name, kv)
+        elif getattr(layer, "kv_cache", None) is not kv:
+            layer.kv_cache = kv
+    meta = ({n: SimpleNamespace(layer_name=n, slot_mapping=(slot_mapping or {}).get(n))
+             for n in kv_caches} if with_metadata else None)
+    params = inspect.signature(set_forward_context).parameters
+    kw: dict[str, Any] = {}
+    if with_metadata and num_tokens is not None and "num_tokens" in params:
+        kw["num_tokens"] = num_tokens
+    if with_metadata and slot_mapping is not None and "slot_mapping" in params:
+        kw["slot_mapping"] = dict(slot_mapping)
+    with set_forward_context(meta, vllm_config, **kw):
+        yield get_forward_context()
 
 
 def model_runner_output(req_ids: Sequence[str], sampled_token_ids: list[list[int]],

@@ -19,7 +19,7 @@ from tvc.contract.builders import (
     make_vllm_config,
 )
 from tvc.contract.coverage import CoverageLog
-from tvc.contract.driver import EngineDriver
+from tvc.contract.driver import EngineDriver, NoWorkerHere, no_worker_message
 from tvc.contract.layout import (
     LAYOUT_ENV,
     allowed_kv_layouts,
@@ -130,6 +130,20 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         real_worker = device in devices
     spec = profile["connector"]["worker_report"]
     worker: Any = None
+    why = ("this test drives the scheduler side only" if scheduler_only else
+           f"rig device {device!r}, connector.worker_devices = {devices}")
+    if profile["connector"]["lookups_need_worker"] and not real_worker and \
+            _rig_runs_profile_connector(profile, config_kw):
+        # e.g. MooncakeStoreConnector: LookupKeyClient sends each lookup to
+        # worker rank 0 and waits in socket.recv() with no timeout (vLLM 0.28.0
+        # mooncake/store/worker.py L2037-L2049): no scheduler is built at all
+        msg = no_worker_message(
+            f"{why}; {profile['connector']['name']}'s scheduler side asks its "
+            "worker for every lookup (connector.lookups_need_worker) and would "
+            "wait for it without end, so no rig is built without the real worker")
+        if on_no_worker is not None:
+            on_no_worker(msg)  # the fixtures' hardware skip on a box without CUDA
+        raise NoWorkerHere(msg)
     with vllm_env(env):
         vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
         runner = decide_model_runner(vc, env)
@@ -143,13 +157,26 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                 raise
         elif spec and spec != BUILTIN_STANDIN:
             worker = load_worker_report(spec, vc, kcc, sched.connector)
-    why = ("this test drives the scheduler side only" if scheduler_only else
-           f"rig device {device!r}, connector.worker_devices = {devices}")
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,
                           on_no_worker=on_no_worker)
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
+
+
+def _rig_runs_profile_connector(profile: Profile, config_kw: dict[str, Any]
+                                ) -> bool:
+    """Whether a rig's connector is the profile's (itself or inside the fault wrapper).
+
+    A test may build a rig of another ``kv_transfer_config`` (a wrong class name,
+    a wrong module path): vLLM judges that one, not the profile's connector.
+    """
+    ktc = config_kw.get("kv_transfer_config") or profile.kv_transfer_config()
+    inner = ((ktc.get("kv_connector_extra_config") or {}).get("tvc_fault") or {}
+             ).get("inner") or {}
+    want = (profile["connector"]["name"], profile["connector"]["module_path"])
+    return any((c.get("kv_connector"), c.get("kv_connector_module_path", ""))
+               == want for c in (ktc, inner))
 
 
 def note_rig(log: CoverageLog, vllm_config: Any, kv_cache_config: Any,
@@ -203,6 +230,34 @@ def worker_kv_layouts(profile: Profile, scratch: Path, **config_kw: Any
         return allowed_kv_layouts(cls, vc, env)
 
 
+def package_missing_reason(profile: Profile) -> str:
+    """Why the package of the profile's connector is absent ('' if it is installed).
+
+    For a vLLM connector whose code lives in another distribution
+    (``[package] name``, e.g. ``lmcache`` for ``LMCacheConnectorV1``): none of
+    the distributions the profile names is installed.
+    """
+    import sys
+
+    from packaging.requirements import Requirement
+
+    from tvc.env.pairings import installed_version
+
+    pkg = profile["package"]
+    if not pkg["name"]:
+        return ""
+    reqs = [r for p in pkg["pairings"] if p["works"] for r in p["requires"]]
+    names = [pkg["name"], *(Requirement(r).name for r in reqs)]
+    if any(installed_version(n) is not None for n in names):
+        return ""
+    fix = f"pip install {reqs[0]}" if reqs else f"pip install {pkg['name']}"
+    return (f"The connector {profile['connector']['name']} of profile "
+            f"{profile.name!r} needs the package {pkg['name']!r}, which is not "
+            f"installed in {sys.executable}, so its contract cannot be driven. "
+            f"Fix: {fix} (the profile's [package] pairings name the version for "
+            "each vLLM)")
+
+
 def adapter_missing_reason(profile: Profile) -> str:
     """Why the profile's out-of-tree connector module cannot be found ('' if it can).
 
@@ -214,7 +269,7 @@ def adapter_missing_reason(profile: Profile) -> str:
 
     mod = profile["connector"]["module_path"]
     if not mod:
-        return ""
+        return package_missing_reason(profile)
     try:
         found = importlib.util.find_spec(mod) is not None
     except ModuleNotFoundError:

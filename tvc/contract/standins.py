@@ -314,18 +314,34 @@ def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
     """
     vllm_config = getattr(connector, "_vllm_config", None) or vllm_config
     try:
-        from adapter.connector import _key_namespace, _resolve_geometry
-        from adapter.worker_meta import TuttiWorkerMetadata
-        from index.chunk_index import ChunkIndex
+        if type(connector).__module__.startswith("tutti."):
+            # Tutti's current tree (the tutti package, PR #19 "Vllmconnector
+            # v3"): the same classes under tutti.integration.vllm / tutti.index
+            from tutti.index import chunk_index
+            from tutti.integration.vllm import geometry, worker_meta
+
+            key_namespace = geometry.key_namespace
+            resolve_geometry = geometry.resolve_geometry
+        else:
+            import adapter.connector
+            from adapter import worker_meta
+            from index import chunk_index
+
+            key_namespace = adapter.connector._key_namespace
+            resolve_geometry = adapter.connector._resolve_geometry
+        ChunkIndex = chunk_index.ChunkIndex
+        TuttiWorkerMetadata = worker_meta.TuttiWorkerMetadata
     except ImportError as exc:
         raise WorkerReportError(
-            "the Tutti stand-in imports adapter.connector, adapter.worker_meta and "
-            "index.chunk_index from the Tutti checkout: put its integration/"
-            f"vllm-connector folder (TUTTI_SRC) on PYTHONPATH ({exc})") from None
+            "the Tutti stand-in imports the connector's geometry, worker metadata "
+            "and chunk index from the Tutti checkout (tutti.integration.vllm and "
+            "tutti.index for the current tree; adapter and index of "
+            "integration/vllm-connector for v0.1.1): put it (TUTTI_SRC) on "
+            f"PYTHONPATH ({exc})") from None
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    geometry = _resolve_geometry(extra, kv_cache_config)
-    hasher = ChunkIndex(1, geometry["chunk_tokens"], namespace=_key_namespace(
-        vllm_config, geometry).encode())
+    geom = resolve_geometry(extra, kv_cache_config)
+    hasher = ChunkIndex(1, geom["chunk_tokens"], namespace=key_namespace(
+        vllm_config, geom).encode())
     ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
     def report(scheduler_output: Any, metadata: Any) -> Any:

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from tvc.contract.compat import HarnessIncompatible, forward_context
+from tvc.contract.compat import HarnessIncompatible, engine_forward_context
 from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
 from tvc.plugin.error_hints import hint_prefix
@@ -408,6 +408,7 @@ class ConnectorWorker:
 
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
+        self.runner = runner
         # vLLM's GPU worker initialises world + TP groups before it builds the
         # connector (gpu_worker.py init_worker_distributed_environment)
         self._dist_held = _acquire_distributed(vllm_config, device)
@@ -450,7 +451,6 @@ class ConnectorWorker:
             self.close()
             raise ConnectorWorkerError(self._failure(exc, step, runner)) from exc
         self.names = list(self.kv_caches)
-        self.forward_context = forward_context(self.kv_caches)
         self.block_table: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.load_errors: list[str] = []
@@ -742,17 +742,27 @@ class ConnectorWorker:
         out = KVConnectorOutput()
         failed_reqs: set[str] | None = None
         checks: list[tuple[str, int, tuple[int, str] | None]] = []
-        step = "bind_connector_metadata"
+        v1 = self.runner[0] == "V1"
+        step = "handle_preemptions"
         try:
-            with set_current_vllm_config(self.vllm_config):
-                c.bind_connector_metadata(meta)
-                # the model runner hands every step's metadata to
-                # handle_preemptions (gpu_model_runner.py, execute_model)
-                step = "handle_preemptions"
+            with set_current_vllm_config(self.vllm_config), \
+                    contextlib.ExitStack() as fwd:
+                # vLLM's forward context, as the model runner sets it: around the
+                # whole connector lifecycle on the V1 runner, around pre_forward
+                # (preemptions, bind, start_load_kv) on the V2 runner
+                # (tvc.contract.compat.engine_forward_context cites the lines)
+                ctx = fwd.enter_context(engine_forward_context(
+                    self.vllm_config, self.kv_caches, self._slot_mapping(work),
+                    sum(e - s for _r, s, e in work), with_metadata=bool(work)))
+                # both runners hand every step's metadata to handle_preemptions
+                # before binding it (gpu_model_runner.py 0.28.0 L4320,
+                # gpu/kv_connector.py L67-L68)
                 if hasattr(c, "handle_preemptions"):
                     c.handle_preemptions(meta)
+                step = "bind_connector_metadata"
+                c.bind_connector_metadata(meta)
                 step = "start_load_kv"
-                c.start_load_kv(self.forward_context)
+                c.start_load_kv(ctx)
                 step = "wait_for_layer_load"
                 for name in self.names:
                     c.wait_for_layer_load(name)
@@ -773,50 +783,19 @@ class ConnectorWorker:
                         checks.append((rid, start,
                                        self.first_mismatch(rid, 0, start)))
                 step = "save_kv_layer"
+                metadata = ctx.attn_metadata or {}
                 for name in self.names:
-                    c.save_kv_layer(name, self.kv_caches[name],
-                                    self.forward_context.attn_metadata[name])
-                step = "wait_for_save"
-                c.wait_for_save()
-                if hasattr(c, "finish_forward"):
-                    # vLLM 0.33's model runner: the forward no longer reads
-                    # this step's KV (gpu/kv_connector.py, finish_forward)
-                    step = "finish_forward"
-                    c.finish_forward()
-                step = "get_finished"
-                if hasattr(c, "get_transfer_results"):
-                    # vLLM 0.33: sends, receives and failed receives together
-                    # (kv_connector_model_runner_mixin, get_transfer_results)
-                    step = "get_transfer_results"
-                    res = c.get_transfer_results(so.finished_req_ids)
-                    out.finished_sending = set(res.finished_sending or ()) or None
-                    out.finished_recving = set(res.finished_recving or ()) or None
-                    if hasattr(out, "failed_recving"):
-                        out.failed_recving = set(res.failed_recving or ())
-                else:
-                    out.finished_sending, out.finished_recving = c.get_finished(
-                        so.finished_req_ids)
-                step = "get_block_ids_with_load_errors"
-                if hasattr(c, "get_block_ids_with_load_errors"):
-                    out.invalid_block_ids = c.get_block_ids_with_load_errors()
-                step = "get_request_ids_with_load_errors"
-                if hasattr(c, "get_request_ids_with_load_errors"):
-                    failed_reqs = set(c.get_request_ids_with_load_errors() or ())
-                # as kv_connector_model_runner_mixin._get_kv_connector_output
-                step = "get_kv_connector_stats"
-                if hasattr(c, "get_kv_connector_stats"):
-                    out.kv_connector_stats = c.get_kv_connector_stats()
-                step = "get_kv_connector_kv_cache_events"
-                if hasattr(c, "get_kv_connector_kv_cache_events"):
-                    out.kv_cache_events = c.get_kv_connector_kv_cache_events()
-                step = "build_connector_worker_meta"
-                if hasattr(c, "build_connector_worker_meta"):
-                    out.kv_connector_worker_meta = c.build_connector_worker_meta()
-                step = "clear_connector_metadata"
-                c.clear_connector_metadata()
+                    c.save_kv_layer(name, self.kv_caches[name], metadata.get(name))
+                if not v1:  # the V2 runner's post_forward runs after the forward
+                    fwd.close()
+                step = "after the forward"
+                self._finish_step(c, so, out)
+                failed_reqs = self._failed_requests
         except HarnessIncompatible:
             raise
         except Exception as exc:
+            if step == "after the forward":
+                step = self._step
             hint = hint_prefix(exc)
             if not hint:  # keep the connector's own exception, name the call
                 exc.add_note(f"(raised by the connector's worker side in {step})")
@@ -870,6 +849,71 @@ class ConnectorWorker:
                 "after the forward. A load that fills the whole block must land "
                 "before the forward (start_load_kv / wait_for_layer_load), which "
                 "then overwrites that slot; or copy only the matched tokens")
+
+    def _slot_mapping(self, work: list[tuple[str, int, int]]) -> dict[str, Any]:
+        """Layer name -> this step's slots (``block_id * B + offset``), as vLLM's."""
+        import torch
+
+        parts = []
+        for rid, start, end in work:
+            end = min(end, len(self.block_table[rid]) * self.block_size)
+            if end > start:
+                blocks, offs, _ = slots_for(self.block_table[rid], start, end,
+                                            self.block_size)
+                parts.append(blocks * self.block_size + offs)
+        slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return {name: slots.to(kv.device) for name, kv in self.kv_caches.items()}
+
+    def _finish_step(self, c: Any, so: Any, out: Any) -> None:
+        """The connector calls after the forward, in the model runner's order.
+
+        ``kv_connector_model_runner_mixin._get_kv_connector_output`` (0.28.0
+        L98-L112) and ``gpu/kv_connector.py post_forward`` (L77-L96):
+        ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+        ``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
+        ``build_connector_worker_meta``, ``clear_connector_metadata``; vLLM 0.33
+        adds ``finish_forward`` and ``get_transfer_results``. Fills ``out``
+        and :attr:`_failed_requests`; :attr:`_step` names the call under way
+        (for a failure's note).
+        """
+        self._failed_requests: set[str] | None = None
+        self._step = "wait_for_save"
+        c.wait_for_save()
+        if hasattr(c, "finish_forward"):
+            # vLLM 0.33's model runner: the forward no longer reads this
+            # step's KV (gpu/kv_connector.py, finish_forward)
+            self._step = "finish_forward"
+            c.finish_forward()
+        self._step = "get_finished"
+        if hasattr(c, "get_transfer_results"):
+            # vLLM 0.33: sends, receives and failed receives together
+            # (kv_connector_model_runner_mixin, get_transfer_results)
+            self._step = "get_transfer_results"
+            res = c.get_transfer_results(so.finished_req_ids)
+            out.finished_sending = set(res.finished_sending or ()) or None
+            out.finished_recving = set(res.finished_recving or ()) or None
+            if hasattr(out, "failed_recving"):
+                out.failed_recving = set(res.failed_recving or ())
+        else:
+            out.finished_sending, out.finished_recving = c.get_finished(
+                so.finished_req_ids)
+        self._step = "get_block_ids_with_load_errors"
+        if hasattr(c, "get_block_ids_with_load_errors"):
+            out.invalid_block_ids = c.get_block_ids_with_load_errors()
+        self._step = "get_request_ids_with_load_errors"
+        if hasattr(c, "get_request_ids_with_load_errors"):
+            self._failed_requests = set(c.get_request_ids_with_load_errors() or ())
+        self._step = "get_kv_connector_stats"
+        if hasattr(c, "get_kv_connector_stats"):
+            out.kv_connector_stats = c.get_kv_connector_stats()
+        self._step = "get_kv_connector_kv_cache_events"
+        if hasattr(c, "get_kv_connector_kv_cache_events"):
+            out.kv_cache_events = c.get_kv_connector_kv_cache_events()
+        self._step = "build_connector_worker_meta"
+        if hasattr(c, "build_connector_worker_meta"):
+            out.kv_connector_worker_meta = c.build_connector_worker_meta()
+        self._step = "clear_connector_metadata"
+        c.clear_connector_metadata()
 
     def _note_unrecomputed_read(self, req_id: str, start: int) -> None:
         """Record a first compute whose counted tokens cover an unrecomputed block."""

@@ -39,6 +39,10 @@ class KnownDefect:
         source: upstream file and function.
         connector: the ``kv_connector`` class the defect belongs to: another
             connector's failure in the same test is not this defect.
+        link: the upstream issue or pull request (``""``: none filed).
+        vllm: PEP 440 specifier of the vLLM versions it applies to (``""``: all).
+        package: PEP 508 requirement of the connector package versions it
+            applies to, e.g. ``lmcache>=0.5.3,<=0.5.6`` (``""``: any).
 
     """
 
@@ -49,17 +53,50 @@ class KnownDefect:
     reproduction: str
     source: str
     connector: str = "TuttiConnectorV1"
+    link: str = ""
+    vllm: str = ""
+    package: str = ""
 
-    def matches(self, nodeid: str, message: str, connector: str = "") -> bool:
+    def matches(self, nodeid: str, message: str, connector: str = "",
+                versions: Mapping[str, str] | None = None) -> bool:
         """Whether a test's node id and message show this defect.
 
         ``connector`` is the run's ``kv_connector`` (``""``: unknown, e.g. an
         older ``summary.json``); a different class never matches.
+        ``versions`` (distribution name -> installed version, ``vllm``
+        included) rules out a defect of other vLLM or package versions; a
+        version not recorded does not rule it out.
         """
         if connector and connector != self.connector:
             return False
+        if versions and not self.applies_to(versions):
+            return False
         return bool(re.search(self.nodeid, nodeid) and re.search(self.message,
                                                                   message))
+
+    def applies_to(self, versions: Mapping[str, str]) -> bool:
+        """Whether the recorded versions are among those the defect applies to."""
+        from packaging.requirements import Requirement
+        from packaging.version import InvalidVersion, Version
+
+        wants = []
+        if self.vllm:
+            wants.append(("vllm", self.vllm))
+        if self.package:
+            req = Requirement(self.package)
+            wants.append((req.name, str(req.specifier)))
+        for name, spec in wants:
+            have = versions.get(name)
+            if not have:
+                continue
+            try:
+                ok = Requirement(f"x{spec}").specifier.contains(
+                    Version(have).public, prereleases=True)
+            except InvalidVersion:
+                continue
+            if not ok:
+                return False
+        return True
 
 
 _T = "xPU-IO/Tutti 33a8fb8 integration/vllm-connector/"
@@ -192,23 +229,49 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "'staging 环窗被 store 拒收' (memoryview of a CUDA tensor)",
         _T + "stores/memory.py register_buffer, engine/core.py KVEngine.bind"),
     KnownDefect(
-        "tutti-residency-unpublished",
-        "the scheduler side drops its workers' commit reports, so nothing ever "
-        "becomes resident: update_connector_output publishes only through the "
-        "index's apply_worker_commits, which this SchedulerMetadataIndex lacks",
-        r"", r"\(TuttiWorkerMetadata\) from build_connector_worker_meta.*"
-             r"did not publish",
-        "store a 72-token prompt, replay it: the worker returns a "
-        "TuttiWorkerMetadata with the 4 chunk keys committed, the scheduler's "
-        "get_num_new_matched_tokens matches 0",
-        _T + "adapter/connector.py update_connector_output; engine/metadata.py "
-             "SchedulerMetadataIndex (no apply_worker_commits)"),
+        "lmcache-packed-kv-corruption",
+        "LMCache's in-process connector loads wrong KV on vLLM 0.26's packed K/V "
+        "layout (per-layer (N, H, B, 2D) tensors): the hit is served, silently "
+        "corrupt",
+        r"",
+        r"does not hold the KV that was stored for it"
+        r"|the KV the connector loaded (is wrong|differs)",
+        "H200, vLLM 0.26.0, lmcache 0.5.3: LMCache logs 'Retrieved 768 out of 768 "
+        "required tokens', pass 2 differs from pass 1 at token 0 (top-2 gap "
+        "0.1-0.7 nats), on the V2 and the V1 model runner (2026-12); vLLM PR "
+        "#44455 introduced the packed layout; see also ai-dynamo/dynamo#14416",
+        "LMCache lmcache/v1/gpu_connector (the paged KV format it assumes); vLLM "
+        "0.26.0 FlashAttention per-layer KV (num_blocks, H, B, 2*D)",
+        connector="LMCacheConnectorV1",
+        link="https://github.com/LMCache/LMCache/issues/4463",
+        vllm=">=0.26,<0.27", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-prompt-embeds-typeerror",
+        "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "
+        "LMCache's build_connector_meta raise TypeError out of the scheduler step",
+        r"",
+        r"TypeError.*build_connector_meta|build_connector_meta.*TypeError"
+        r"|raised TypeError.*(NoneType|object of type)",
+        "CPU, vLLM 0.28.0 and 0.33.0, lmcache 0.5.6 (reproduced 2026-12-04): the "
+        "exploration's tenants family, engine step 1 of an embeddings-only "
+        "request: replay_explorer('lmcache', family='tenants', policy='recompute')"
+        ".warm([(1, 1), (1, 1), (1, 1)], tenant='embeds:tvc-table-b') raises "
+        "TypeError: object of type 'NoneType' has no len()",
+        "lmcache 0.5.6 lmcache/integration/vllm/vllm_v1_adapter.py L190 "
+        "RequestTracker.from_new_request (prompt_len=len(new_request."
+        "prompt_token_ids), None for prompt_embeds), called from "
+        "LMCacheConnectorV1Impl.build_connector_meta L1665; vLLM 0.28.0 "
+        "lmcache_connector.py L301",
+        connector="LMCacheConnectorV1",
+        link="",  # a new finding: not filed upstream yet
+        vllm=">=0.28", package="lmcache>=0.5.6"),
 )
 
 
 def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
              seed: Any = None, pythonpath: str = "",
-             require: Iterable[str] = ()) -> list[dict[str, Any]]:
+             require: Iterable[str] = (),
+             versions: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The findings of a run, from its ``summary.json`` test entries.
 
     Args:
@@ -219,6 +282,9 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             module was found), put in front of the rerun command when set.
         require: the run's strict levels (``--tvc-require``), kept in the rerun
             command so that a strict red reruns strict (a skip otherwise).
+        versions: distribution -> version of the run (``vllm`` and the
+            connector's package); a catalogued defect of other versions is not
+            matched (:meth:`KnownDefect.applies_to`).
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -235,8 +301,8 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             continue
         nodeid, msg = str(t.get("nodeid", "")), str(t.get("message", ""))
         known = next((d for d in CATALOGUE
-                      if d.matches(nodeid, msg, str(profile.get("connector") or ""))),
-                     None)
+                      if d.matches(nodeid, msg, str(profile.get("connector") or ""),
+                                   versions)), None)
         key = known.key if known else f"test:{nodeid}"
         rerun = ["pytest", nodeid]
         if prof:
@@ -253,7 +319,11 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             "rerun": (f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath
                       else "") + shlex.join(rerun),
             "reproduction": known.reproduction if known else "",
-            "source": known.source if known else ""})
+            "source": known.source if known else "",
+            "link": known.link if known else "",
+            "applies_to": ", ".join(x for x in (
+                f"vLLM {known.vllm}" if known and known.vllm else "",
+                known.package if known else "") if x)})
         entry["tests"].append(nodeid)
     return list(out.values())
 

@@ -250,13 +250,17 @@ def merge(inputs: Sequence[Path], out: Path) -> dict[str, Any]:
                  + "; ".join(f"{h['label']}: {h['verdict']} ({h['why']})"
                              for h in not_passed[:4])
                  + (" ..." if len(not_passed) > 4 else ""))
+    from tvc.report import matrix
+
+    table = matrix.cells([(h, s) for h, (_, _, s) in zip(hosts, runs, strict=True)])
     counts = {k: sum(h["counts"][k] for h in hosts) for k in SUMMARY_OUTCOMES}
     tests = [{**t, "host": label} for label, _, s in runs for t in s["tests"]]
     found = [{**f, "host": label} for label, _, s in runs
              for f in s.get("findings") or []]
     summary = {
         "fleet": {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "verdict": word, "why": why_fleet, "hosts": hosts},
+                  "verdict": word, "why": why_fleet, "hosts": hosts,
+                  "matrix": table},
         "run": {"kind": "fleet", "outcome": "passed" if word == "PASS" else "failed",
                 "exit_status": 0 if word == "PASS" else 1},
         "counts": counts, "tests": tests, "findings": found,
@@ -272,6 +276,8 @@ def merge(inputs: Sequence[Path], out: Path) -> dict[str, Any]:
     write_file(out / "summary.json", json.dumps(summary, indent=2, default=str)
                + "\n")
     files = write_fleet_page(out, summary)
+    (out / "matrix.md").write_text(matrix.markdown(table))
+    files["matrix"] = out / "matrix.md"
     return {**summary, "warnings": warn,
             "files": {"summary.json": out / "summary.json",
                       "junit.xml": out / "junit.xml", **files}}

@@ -77,6 +77,7 @@ SUITE_PLUGINS = (
     "tvc.fixtures.trace",
     "tvc.fixtures.contract",
     "tvc.fixtures.daemon",
+    "tvc.fixtures.kv_server",
     "tvc.fixtures.store",
     "tvc.fixtures.pd",
     "tvc.plugin.compat_report",  # HarnessIncompatible -> an error, never a failure
@@ -515,6 +516,16 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if rep is not None:
         rep.meta["hardware"] = hw
+        from tvc.env.pairings import installed_version, pairing_line
+
+        line = pairing_line(profile["package"], rep.meta["versions"]["vllm"],
+                            rep.meta["versions"]["torch"])
+        if line:  # one line before any test: does this package fit this vLLM?
+            config.stash[_NOTES].append(line)
+            rep.meta["profile"]["pairing"] = line
+            name = line.split()[1]  # "pairing: <distribution> <version> ..."
+            rep.meta["profile"]["package"] = {
+                "name": name, "version": installed_version(name) or ""}
         state.run_dir = rep.run_dir
         config.pluginmanager.register(rep, "tvc-run-report")
 

@@ -257,9 +257,14 @@ class RunReport:
             "tests": sorted(self.tests.values(), key=lambda t: t["nodeid"]),
             **self.extra,
         }
-        summary["findings"] = findings(summary["tests"], summary.get("profile", {}),
-                                       run.get("seed"), run["pythonpath"],
-                                       run.get("require") or ())
+        prof = summary.get("profile", {})
+        pkg = prof.get("package") or {}
+        versions = {"vllm": str((summary.get("versions") or {}).get("vllm") or "")}
+        if pkg.get("name") and pkg.get("version"):
+            versions[str(pkg["name"])] = str(pkg["version"])
+        summary["findings"] = findings(summary["tests"], prof, run.get("seed"),
+                                       run["pythonpath"], run.get("require") or (),
+                                       versions)
         run["outcome_reason"] = outcome_reason(summary)
         summary["scope"] = scope(summary, TIER_MARKERS)
         run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]

@@ -1,7 +1,7 @@
 """The exploration stays green across seeds: reference profiles and the panel.
 
 Whether a reference profile is green must not depend on the seed a run draws
-(issue 34: ``cpu-offload`` went red under ``--tvc-seed 1975927298``, a false red
+(``cpu-offload`` once went red under ``--tvc-seed 1975927298``, a false red
 of the suite's invariant). :mod:`selftests.contract.seed_sweep` runs every
 exploration family (``suites/contract/test_exploration.py``'s entry points)
 over :data:`FIXED_SEEDS` plus one new random seed per run:
@@ -12,8 +12,8 @@ over :data:`FIXED_SEEDS` plus one new random seed per run:
 
 Any red fails with its seed, family and target, the command that reruns it,
 and the shrunk replay script; a sequence that reaches one of the profile's
-known defects stops there, as in the exploration test. The seed's replay of
-issue 34 runs in ``test_exploration.py``.
+known defects stops there, as in the exploration test. That seed's own replay
+runs in ``test_exploration.py``.
 
 Budget (2 shared CPU cores): :data:`EXAMPLES` sequences per family and seed —
 hypothesis's first is the family's simplest sequence, the second drawn from the
@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.hw_any
 
-#: the seed of issue 34, then 1..20
+#: the seed of the cpu-offload false red, then 1..20
 FIXED_SEEDS = (1975927298, *range(1, 21))
 #: sequences per family and seed (hypothesis's max_examples; see the module doc)
 EXAMPLES = 2

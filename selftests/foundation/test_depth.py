@@ -67,3 +67,9 @@ def test_env_sets_it_and_a_bad_value_is_one_usage_error(pytester, monkeypatch
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines(["*TVC_SCENARIO_VOLUME: expected a positive whole "
                               "number, got 'lots'*"])
+
+
+def test_the_option_offers_every_depth() -> None:
+    from tvc.plugin.hooks import DEPTH_NAMES
+
+    assert sorted(DEPTH_NAMES) == sorted(DEPTHS)

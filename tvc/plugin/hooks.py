@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tvc.config.depth import DEPTHS, Depth, DepthError, resolve
 from tvc.config.paths import CHECKOUT, MARKERS_FILE, suites_dir
 from tvc.plugin import run_control
 from tvc.trace import options as trace_options
@@ -63,6 +62,7 @@ _IMPORT_DEFER = run_control.defer_while_plugins_load()
 # ``pytest_configure`` of a suite run only (:func:`suite_run_reason`).
 if TYPE_CHECKING:
     from tvc.config import known_failures
+    from tvc.config.depth import Depth
     from tvc.env import hardware
     from tvc.plugin import report as reporting
     from tvc.plugin import session
@@ -254,7 +254,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: half the CPU cores, at least 2; each start is "
                          "CPU-bound)")
     group.addoption("--tvc-depth", dest="tvc_depth", default=None,
-                    choices=sorted(DEPTHS), metavar="DEPTH",
+                    choices=DEPTH_NAMES, metavar="DEPTH",
                     help="how deep the contract tier goes: quick (edit-run loop), "
                          "standard (default; CI, certify), deep (soak); env "
                          "TVC_DEPTH (docs/running.md)")
@@ -412,6 +412,11 @@ def resolve_seed(config: pytest.Config) -> tuple[int, str]:
     return random.SystemRandom().randrange(*SEED_RANGE), "random"
 
 
+#: the names of tvc.config.depth.DEPTHS (imported only in a suite run: the
+#: plugin loads in every pytest run of the environment)
+DEPTH_NAMES = ("deep", "quick", "standard")
+
+
 def resolve_depth(config: pytest.Config) -> Depth:
     """The run's depth (:mod:`tvc.config.depth`): ``--tvc-depth``, ``$TVC_DEPTH``.
 
@@ -421,6 +426,8 @@ def resolve_depth(config: pytest.Config) -> Depth:
         pytest.UsageError: an unknown depth or a bad override, named.
 
     """
+    from tvc.config.depth import DepthError, resolve
+
     try:
         return resolve(config.getoption("tvc_depth", None)
                        or os.environ.get("TVC_DEPTH"),

@@ -1,4 +1,4 @@
-"""Issue 34: the shrunk replay of ``-k preemption --tvc-profile=cpu-offload
+"""The shrunk replay of ``-k preemption --tvc-profile=cpu-offload
 --tvc-seed=1975927298`` (vLLM 0.28.0), as the red printed it.
 
 Prints one JSON line: ``outcome`` (green / red), ``text`` (the failure),

@@ -63,7 +63,8 @@ dir = "{scratch}"
 
 def _run(tmp_path: Path, cls: str, select: str, *, devices: str = '["cpu"]',
          report: str = "", rule: str = "(len - 1) // B * B",
-         name: str = "run", env: str = "{}") -> object:
+         name: str = "run", env: str = "{}",
+         extra: list[str] | None = None) -> object:
     prof = tmp_path / f"{name}.toml"
     prof.write_text(PROFILE.format(cls=cls, store="${SCRATCH}/store", rule=rule,
                                    devices=devices, report=report, env=env,
@@ -71,7 +72,8 @@ def _run(tmp_path: Path, cls: str, select: str, *, devices: str = '["cpu"]',
     env = {"PYTHONPATH": os.pathsep.join(
         [str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
     return run_suite(["suites/contract", "-m", "contract", "-k", select,
-                      f"--tvc-profile={prof}", "-q"], tmp_path / f"{name}-report",
+                      f"--tvc-profile={prof}", "-q", *(extra or [])],
+                     tmp_path / f"{name}-report",
                      env=env, timeout_s=600)
 
 
@@ -91,6 +93,24 @@ def test_worker_meta_connector_without_report_fails_naming_the_key(tmp_path) -> 
     assert "publishes residency through worker metadata" in t["message"] and \
         "worker_report" in t["message"], t["message"]
     assert "worker" not in t["properties"], t["properties"]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["skip", "strict"])
+def test_real_only_worker_report_without_a_gpu_is_a_hardware_skip(
+        tmp_path, strict) -> None:
+    # LMCache's MP connector: residency only its CUDA worker can report, so no
+    # stand-in can exist; on a box without a GPU that is missing hardware
+    run = _run(tmp_path, "WorkerMetaResidencyConnector", HIT_RULE,
+               devices='["cuda"]', report="real-only",
+               extra=["--tvc-require=gpu"] if strict else [])
+    t = _hit_rule_test(run)
+    if strict:
+        assert t["outcome"] == "failed", t
+        assert "strict mode (--tvc-require gpu)" in t["message"], t["message"]
+    else:
+        assert t["outcome"] == "skipped" and run.rc == 0, (t, run.tail())
+        assert "no CUDA GPU" in t["message"], t["message"]
+    assert "publishes residency through worker metadata" not in t["message"]
 
 
 def test_worker_meta_connector_with_declared_standin_passes_and_says_so(

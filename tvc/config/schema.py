@@ -165,7 +165,9 @@ class ConnectorSection(Section):
     fault_injector: str = Field("", description="module:function fault injector; "
                                 "empty = built-in by store kind")
     worker_report: str = Field("", description="\"\" = real worker, \"standin\" = "
-                               "declared stand-in, or module:function")
+                               "declared stand-in, \"real-only\" = nothing but the "
+                               "real worker can report (where it cannot run, a "
+                               "hardware skip), or module:function")
     hit_rule_source: str = Field("", description="where the hit rule comes from")
     hit_log_pattern: str = Field("", description="regex the server log shows on a "
                                  "hit; a group named tokens (else the first group) "
@@ -270,9 +272,9 @@ class ConnectorSection(Section):
     @classmethod
     def _hook(cls, hook: str, info: ValidationInfo) -> str:
         standin = info.field_name == "worker_report"
-        if _final(info) and hook and not (standin and hook == "standin") and (
-                not _HOOK.fullmatch(hook)):
-            also = "\"standin\", " if standin else ""
+        if _final(info) and hook and not (standin and hook in (
+                "standin", "real-only")) and not _HOOK.fullmatch(hook):
+            also = "\"standin\", \"real-only\", " if standin else ""
             raise Refusal(f"{shorten(hook)} must be empty, {also}or 'module:function'")
         return hook
 

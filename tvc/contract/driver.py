@@ -102,6 +102,12 @@ class RigPlanError(RuntimeError):
     """A test planned a request the rig cannot run (a suite defect, named)."""
 
 
+#: ``connector.worker_report`` of a connector whose residency only its real
+#: worker can report (e.g. stores through CUDA IPC into its own server): no
+#: stand-in can exist, so a box where that worker cannot run lacks hardware
+REAL_WORKER_ONLY = "real-only"
+
+
 class NoWorkerHere(RuntimeError):  # noqa: N818 - reads as the reason
     """No worker side runs for this rig (no device of ``worker_devices`` here)."""
 
@@ -386,14 +392,18 @@ class EngineDriver:
 
         Raises:
             WorkerReportMissing: the connector publishes residency through
-                worker metadata and nothing here can report it.
+                worker metadata and nothing here can report it, while its
+                profile does not say that only the real worker can
+                (``connector.worker_report = "real-only"``: then the rig has
+                no worker here, as below).
             NoWorkerHere: nothing can run the connector's worker side here and
                 the test is not a scheduler-only one.
 
         """
         if JobAckWorker.applies_to(meta):
             return JobAckWorker(type(unwrap_metadata(meta)).__module__)
-        if publishes_worker_meta(self.connector):
+        if publishes_worker_meta(self.connector) and \
+                self.worker_report != REAL_WORKER_ONLY:
             why = self.no_worker_reason
             if self.worker_report == BUILTIN_STANDIN:
                 why = (f"connector.worker_report = {BUILTIN_STANDIN!r} names the "

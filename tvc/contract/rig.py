@@ -19,7 +19,12 @@ from tvc.contract.builders import (
     make_vllm_config,
 )
 from tvc.contract.coverage import CoverageLog
-from tvc.contract.driver import EngineDriver, NoWorkerHere, no_worker_message
+from tvc.contract.driver import (
+    REAL_WORKER_ONLY,
+    EngineDriver,
+    NoWorkerHere,
+    no_worker_message,
+)
 from tvc.contract.layout import (
     LAYOUT_ENV,
     allowed_kv_layouts,
@@ -155,7 +160,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             except ConnectorWorkerError as exc:
                 exc.runner = runner  # type: ignore[attr-defined]  # for reports
                 raise
-        elif spec and spec != BUILTIN_STANDIN:
+        elif spec and spec not in (BUILTIN_STANDIN, REAL_WORKER_ONLY):
             worker = load_worker_report(spec, vc, kcc, sched.connector)
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,

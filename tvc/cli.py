@@ -75,6 +75,33 @@ def strict_levels(profile: Any) -> list[str]:
     return claimed_levels(profile)
 
 
+def missing_modules(profile: Any) -> list[str]:
+    """Modules the profile's connector needs that this Python cannot find.
+
+    The top package of ``connector.module_path`` and each of ``[imports]
+    modules`` (e.g. ``lmcache`` for vLLM's in-tree LMCache connectors), looked up
+    with :func:`importlib.util.find_spec`: nothing is imported.
+
+    Returns:
+        the names not found, in the profile's order.
+
+    """
+    import importlib.util
+
+    names = [profile["connector"]["module_path"].split(".")[0]] if profile[
+        "connector"]["module_path"] else []
+    names += [m for m in profile["imports"]["modules"] if m not in names]
+    out = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
 def find_root(given: str | None) -> Path | None:
     """The folder holding the suite's ``suites/``.
 
@@ -300,6 +327,13 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     require = ",".join(strict_levels(prof))
     if not selects(pytest_args) and env.get("CERTIFY_HW_CHECK", "1") != "0" \
             and not dry_run:
+        missing = missing_modules(prof)
+        if missing:  # every connector test would fail at its first import
+            _err("certify", f"{prof.name} NOT certified: not run, "
+                 f"{', '.join(missing)} not installed here (PYTHONPATH or pip)"
+                 + (f": {prof['imports']['hint']}" if prof["imports"]["hint"]
+                    else "") + " (CERTIFY_HW_CHECK=0 runs it anyway)")
+            return 1
         from tvc.env.hardware import probe_profile, skip_reason
 
         hw = probe_profile(prof)

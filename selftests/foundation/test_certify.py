@@ -137,6 +137,27 @@ def test_a_full_certification_refuses_up_front_without_the_hardware(tmp_path) ->
     assert dry.returncode == 0 and "--tvc-require=gpu,nvme" in dry.stdout
 
 
+def test_a_full_certification_refuses_up_front_without_the_connectors_package(
+        tmp_path) -> None:
+    """A connector whose package is not installed would fail every test at its
+    first import: certify says so in one line, before any test (rc 1), and the
+    GPU gate reads that as a profile this host cannot run."""
+    prof = tmp_path / "absent.toml"
+    prof.write_text(
+        '[profile]\nname = "absent"\nextends = "example"\n'
+        '[imports]\nmodules = ["tvc_no_such_package"]\nhint = "pip install it"\n'
+        f'[scratch]\ndir = "{tmp_path}/scratch"\n')
+    r = certify(str(prof), TVC_REPORTS_ROOT=str(tmp_path / "reports"))
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert ("certify: absent NOT certified: not run, tvc_no_such_package not "
+            "installed here (PYTHONPATH or pip): pip install it") in r.stderr, r.stderr
+    assert not (tmp_path / "reports").exists()
+    from tvc.report.gate import row_from_run
+
+    row = row_from_run("absent", 1, 1.0, r.stdout + r.stderr)
+    assert row.verdict == "NOT RUN" and "tvc_no_such_package" in row.note
+
+
 @pytest.mark.parametrize(("args", "narrows"), [
     ([], False), (["-x", "--tvc-trace-size=large", "-p", "no:cacheprovider"], False),
     (["-k", "x"], True), (["-qk", "x"], True), (["-m=e2e"], True),

@@ -8,6 +8,9 @@
 #   scripts/gpu/session.sh setup          # once per machine: the vLLM 0.26.0 bundle
 #   scripts/gpu/gate.sh                   # every profile, 280 s each at most
 #   scripts/gpu/gate.sh example           # or the profiles named
+# Real targets run where their package is installed: scripts/gpu/real.sh setup puts
+# lmcache into /tmp/site-real, which this script puts first on PYTHONPATH; a
+# profile whose package is absent is a "NOT RUN" row (certify refuses up front).
 #
 # Environment: GATE_TIMEOUT_S (one certification's limit, default 280),
 # RESULTS (default /root/tvc-results; the run folders, logs and gate.md go to
@@ -21,7 +24,7 @@ RESULTS=${RESULTS:-/root/tvc-results}
 OUT=${OUT:-/tmp/tvc-out}
 mkdir -p "$RESULTS/gate" "$OUT"
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
-export PYTHONPATH=/tmp/site:/root/vllm-bundle/site:$root${PYTHONPATH:+:$PYTHONPATH} \
+export PYTHONPATH=/tmp/site-real:/tmp/site:/root/vllm-bundle/site:$root${PYTHONPATH:+:$PYTHONPATH} \
   HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
   LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 profiles=()

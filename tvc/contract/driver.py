@@ -402,8 +402,8 @@ class EngineDriver:
         """
         if JobAckWorker.applies_to(meta):
             return JobAckWorker(type(unwrap_metadata(meta)).__module__)
-        if publishes_worker_meta(self.connector) and \
-                self.worker_report != REAL_WORKER_ONLY:
+        real_only = self.worker_report == REAL_WORKER_ONLY
+        if publishes_worker_meta(self.connector) and not real_only:
             why = self.no_worker_reason
             if self.worker_report == BUILTIN_STANDIN:
                 why = (f"connector.worker_report = {BUILTIN_STANDIN!r} names the "
@@ -411,7 +411,8 @@ class EngineDriver:
                        f"({type(unwrap_metadata(meta)).__name__}) has no "
                        "load_jobs/store_jobs; " + why)
             raise WorkerReportMissing(missing_report_message(self.connector, why))
-        if not self.scheduler_only:
+        if not self.scheduler_only or (real_only and publishes_worker_meta(
+                self.connector)):  # its loads end only where its worker runs
             msg = no_worker_message(self.no_worker_reason)
             if self.on_no_worker is not None:
                 self.on_no_worker(msg)

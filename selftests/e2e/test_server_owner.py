@@ -277,7 +277,7 @@ def test_starting_a_server_parks_the_running_one(tmp_path):
 
 def test_hit_log_level_sets_vllms_logging_level_on_connector_servers(tmp_path,
                                                                      monkeypatch):
-    import tvc.procs.vllm_server as vs
+    import tvc.fixtures.vllm as fv
     from tvc.config.profile import load
 
     text = (REPO / "tvc" / "data" / "profiles" / "example.toml").read_text().replace(
@@ -285,14 +285,14 @@ def test_hit_log_level_sets_vllms_logging_level_on_connector_servers(tmp_path,
         'hit_log_pattern = "External Cache Hit!"\nhit_log_level = "DEBUG"')
     (tmp_path / "p.toml").write_text(text)
     prof = load(str(tmp_path / "p.toml"), env={})
-    monkeypatch.setattr(vs, "run_log_dir",
+    monkeypatch.setattr(fv, "run_log_dir",
                         lambda config, profile=None: tmp_path / "logs")
-    srv = vs.server_from_profile(None, tmp_path / "m", profile=prof)
+    srv = fv.server_from_profile(None, tmp_path / "m", profile=prof)
     assert srv.env_overrides["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert srv.build_env()["VLLM_LOGGING_LEVEL"] == "DEBUG"
-    mine = vs.server_from_profile(None, tmp_path / "m", profile=prof,
+    mine = fv.server_from_profile(None, tmp_path / "m", profile=prof,
                                   env={"VLLM_LOGGING_LEVEL": "INFO"})
     assert mine.env_overrides["VLLM_LOGGING_LEVEL"] == "INFO"
-    base = vs.server_from_profile(None, tmp_path / "m", profile=prof,
+    base = fv.server_from_profile(None, tmp_path / "m", profile=prof,
                                   kv_transfer_config=None)
     assert "VLLM_LOGGING_LEVEL" not in base.env_overrides

@@ -90,7 +90,7 @@ def test_bad_connector_env_is_one_line_naming_the_key(tmp_path, body, needle
 
 def test_connector_env_and_no_telemetry_reach_every_server(tmp_path, monkeypatch
                                                           ) -> None:
-    from tvc.procs import vllm_server as vs
+    from tvc.fixtures import vllm as fv
 
     f = tmp_path / "p.toml"
     f.write_text(CONN + 'env = { LMCACHE_TRACK_USAGE = "false", A = "c" }\n'
@@ -98,7 +98,7 @@ def test_connector_env_and_no_telemetry_reach_every_server(tmp_path, monkeypatch
     prof = load(str(f), env={})
     monkeypatch.delenv("DO_NOT_TRACK", raising=False)
     monkeypatch.delenv("VLLM_NO_USAGE_STATS", raising=False)
-    env = vs.server_from_profile(None, tmp_path / "m", profile=prof).build_env()
+    env = fv.server_from_profile(None, tmp_path / "m", profile=prof).build_env()
     assert env["LMCACHE_TRACK_USAGE"] == "false", env
     assert env["A"] == "v"  # [vllm] env wins for the servers
     assert env["DO_NOT_TRACK"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -125,8 +124,7 @@ def campaign(tmp_path: Path, servers: dict[str, FakeServer] | None = None,
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
-    config = SimpleNamespace(pluginmanager=SimpleNamespace(get_plugin=lambda n: None))
-    return TraceCampaign(config, prof, settings, model, tmp_path / "trace",
+    return TraceCampaign(prof, settings, model, tmp_path / "trace",
                          server_factory=(lambda v: servers[v]) if servers else None)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -103,8 +102,7 @@ def campaign(tmp_path: Path, servers: dict[str, FakeServer]) -> TraceCampaign:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
-    config = SimpleNamespace(pluginmanager=SimpleNamespace(get_plugin=lambda n: None))
-    return TraceCampaign(config, prof, settings, model, tmp_path / "trace",
+    return TraceCampaign(prof, settings, model, tmp_path / "trace",
                          server_factory=lambda variant: servers[variant])
 
 

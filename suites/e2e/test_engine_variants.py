@@ -48,8 +48,8 @@ def variant_serve_args(variant: str, profile) -> list[str]:
 
 def tvc_servers(config, model, params):
     """The server pool's plan (tvc.fixtures.vllm): the variant's baseline and server."""
+    from tvc.fixtures.vllm import server_from_profile
     from tvc.plugin import session
-    from tvc.procs.vllm_server import server_from_profile
 
     profile = session.run_state(config).profile  # a hook: no fixtures yet
     variant = params["variant"]

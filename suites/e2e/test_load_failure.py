@@ -43,8 +43,8 @@ def fault_server_overrides(faults, profile, policy: str, async_scheduling: bool
 def tvc_servers(config, model, params):
     """The server pool's plan (tvc/fixtures/vllm.py): this case's fault server."""
     import tvc.contract.faults as faults
+    from tvc.fixtures.vllm import server_from_profile
     from tvc.plugin import session
-    from tvc.procs.vllm_server import server_from_profile
 
     profile = session.run_state(config).profile  # a hook: no fixtures yet
     policy, async_scheduling = params["policy"], params["async_scheduling"]

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 import requests
 
 from tvc.plugin.error_hints import hint_prefix
@@ -604,52 +603,19 @@ def absolute_model_path(model: str | os.PathLike[str]) -> str:
 # ------------------------------------------------------------------- pytest fixtures
 
 RUN_DIR_KEY = "tvc_run_dir"  # workerinput key: the run folder (set by tvc.plugin.hooks)
-POOL_KEY = pytest.StashKey[Any]()  # config.stash: the run's tvc.procs.pool.ServerPool
-
-
 def current_test() -> str:
     """Node id of the test running now (``PYTEST_CURRENT_TEST``), or ''."""
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
 
 
-def run_log_dir(config: pytest.Config, profile: Any = None) -> Path:
-    """Folder for server logs: ``<run folder>/logs`` (the report folder of the run).
-
-    Falls back to ``<profile scratch>/logs`` when no run folder is known.
-
-    Args:
-        config: the pytest config (its run state names the run folder, the same
-            on xdist workers), or None outside pytest (then ``profile`` is needed).
-        profile: the profile whose scratch is the fallback; default the run's.
-
-    """
-    from tvc.plugin import session
-
-    folder = session.run_dir(config)
-    if folder:
-        return folder / "logs"
-    if profile is None:
-        profile = session.run_state(config).profile
-    return profile.scratch / "logs"
-
-
-def _log_name(config: pytest.Config, stem: str) -> str:
-    worker = getattr(config, "workerinput", {}).get("workerid", "main")
-    return f"{stem}-{worker}-{time.strftime('%H%M%S')}.log"
-
-
-def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
-                        stem: str = "vllm-server", *, profile: Any = None,
-                        **overrides: Any) -> VllmServer:
-    """Build a (not yet started) :class:`VllmServer` for the run's profile.
+def profile_server(profile: Any, model: str | os.PathLike[str], log_path: Path,
+                   **overrides: Any) -> VllmServer:
+    """A (not yet started) :class:`VllmServer` serving ``profile``'s connector.
 
     Args:
-        config: the pytest config (for the log folder, the run's profile and its
-            server pool).
+        profile: the :class:`tvc.config.profile.Profile` to serve.
         model: the model directory (see :func:`tvc.env.model.served_model`).
-        stem: log file name stem.
-        profile: the :class:`tvc.config.profile.Profile` to serve (fixtures pass
-            ``tvc_profile``); default the run's (``config.stash``).
+        log_path: the server's log file.
         **overrides: keyword arguments for :class:`VllmServer` that replace the
             profile's (``kv_transfer_config``, ``serve_args``, ``env``...).
             Store paths inside the profile's scratch directory (or a
@@ -665,20 +631,13 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
             adds to it, key by key.
 
     Returns:
-        the server; use it as a context manager. When the run has a server pool
-        (:mod:`tvc.procs.pool`, on a GPU host), the pool's server of the same spec:
-        perhaps started already in the background, shared with the other tests
-        of that spec; its :meth:`VllmServer.start` waits for it.
+        the server (use it as a context manager).
 
     """
-    if profile is None:
-        from tvc.plugin import session
-
-        profile = session.run_state(config).profile
     kwargs: dict[str, Any] = {
         "kv_transfer_config": profile.kv_transfer_config(),
         "serve_args": profile["vllm"]["serve_args"],
-        "log_path": run_log_dir(config, profile) / _log_name(config, stem),
+        "log_path": log_path,
     }
     # the connector's environment ([connector] env), then vLLM's ([vllm] env)
     profile_env = {k: str(v) for k, v in {
@@ -697,11 +656,4 @@ def server_from_profile(config: pytest.Config, model: str | os.PathLike[str],
         kwargs["kv_transfer_config"] = isolate_store_paths(
             kwargs["kv_transfer_config"], profile.scratch,
             devices=profile["store"]["test_devices"])
-    stash = getattr(config, "stash", None)  # None: a caller without a pytest config
-    pool = stash.get(POOL_KEY, None) if stash is not None else None
-    if pool is None:
-        return VllmServer(model, **kwargs)
-    kwargs.setdefault("name", stem)
-    kwargs["exclusive_gpu"] = False  # the pool places it; nothing is parked
-    user = current_test()
-    return pool.register(VllmServer(model, **kwargs), users=[user] if user else ())
+    return VllmServer(model, **kwargs)

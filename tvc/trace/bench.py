@@ -221,20 +221,6 @@ def _non_negative(key: str, value: Any) -> int:
     return value
 
 
-def settings_from_config(config: pytest.Config, profile: Profile) -> TraceSettings:
-    """:func:`resolve_settings` with the options of a pytest run."""
-    opts = {
-        "path": config.getoption("tvc_trace", None),
-        "size": config.getoption("tvc_trace_size", None),
-        "time_scale": config.getoption("tvc_trace_time_scale", None),
-        "max_duration_s": config.getoption("tvc_trace_max_duration", None),
-        "concurrency": config.getoption("tvc_trace_concurrency", None),
-        "max_requests": config.getoption("tvc_trace_max_requests", None),
-        "pressure": config.getoption("tvc_trace_pressure", None),
-    }
-    return resolve_settings(profile, opts)
-
-
 def build_dummy_model(root: Path, tokenizer_from: Path,
                       shape: dict[str, Any] = LLAMA3_8B_SHAPE) -> Path:
     """A model folder with a large config and no weights (``--load-format dummy``).
@@ -271,31 +257,27 @@ def build_dummy_model(root: Path, tokenizer_from: Path,
     return dest
 
 
-def run_folder(config: pytest.Config, profile: Profile) -> Path:
-    """The run's report folder (``<run>/``), or ``<scratch>/trace-runs`` outside one."""
-    from tvc.plugin.session import run_dir  # the same on xdist workers
-
-    return run_dir(config) or profile.scratch / "trace-runs"
-
-
 class TraceCampaign:
     """Runs replay modes against the connector and baseline servers, one at a time.
 
     Args:
-        config: the pytest config (for server logs).
         profile: the run's profile.
         settings: the trace settings.
         model_dir: the served model folder.
         out_dir: where ``<variant>-<mode>.json`` files go.
-        server_factory: ``(variant) -> VllmServer`` (not started); default
-            :func:`tvc.procs.vllm_server.server_from_profile` with the size's args.
+        make_server: ``(model_dir, stem, **overrides) -> VllmServer`` (not
+            started), as :func:`tvc.fixtures.vllm.server_from_profile` with the
+            run's config bound; the campaign passes the variant's
+            ``kv_transfer_config``, the size's serve args and ``whole_gpu``.
+        server_factory: ``(variant) -> VllmServer`` instead (fakes in the
+            self-tests).
 
     """
 
-    def __init__(self, config: pytest.Config, profile: Profile,
-                 settings: TraceSettings, model_dir: Path, out_dir: Path,
+    def __init__(self, profile: Profile, settings: TraceSettings, model_dir: Path,
+                 out_dir: Path, make_server: Any = None,
                  server_factory: Any = None) -> None:
-        self.config = config
+        self.make_server = make_server
         self.profile = profile
         self.settings = settings
         self.model_dir = model_dir
@@ -353,14 +335,15 @@ class TraceCampaign:
         self.extra_serve_args = extra
 
     def _default_factory(self, variant: str) -> Any:
-        from tvc.procs.vllm_server import server_from_profile
-
+        if self.make_server is None:
+            raise tr.TraceError("TraceCampaign: neither make_server nor "
+                                "server_factory was given")
         args = self.serve_args()
         kv = self.profile.kv_transfer_config() if variant == "connector" else None
-        return server_from_profile(self.config, self.model_dir, f"trace-{variant}",
-                                   kv_transfer_config=kv, serve_args=args,
-                                   profile=self.profile,
-                                   whole_gpu=self.settings.size in WHOLE_GPU_SIZES)
+        return self.make_server(self.model_dir, f"trace-{variant}",
+                                kv_transfer_config=kv, serve_args=args,
+                                profile=self.profile,
+                                whole_gpu=self.settings.size in WHOLE_GPU_SIZES)
 
     def server_spec(self, variant: str) -> Any:
         """The (not started) server of ``variant``, as :meth:`server` builds it."""

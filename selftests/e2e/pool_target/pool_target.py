@@ -13,7 +13,7 @@ def extra_args(n: int) -> list[str]:
 
 
 def tvc_servers(config, model, params):
-    from tvc.procs.vllm_server import server_from_profile
+    from tvc.fixtures.vllm import server_from_profile
 
     n = params.get("n", 1)  # test_factory_server_shared: the spec of n = 1
     return [server_from_profile(config, model, f"vllm-extra-{n}",

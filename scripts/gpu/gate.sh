@@ -23,10 +23,7 @@ cd "$root"
 RESULTS=${RESULTS:-/root/tvc-results}
 OUT=${OUT:-/tmp/tvc-out}
 mkdir -p "$RESULTS/gate" "$OUT"
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
-export PYTHONPATH=/tmp/site-real:/tmp/site:/root/vllm-bundle/site:$root${PYTHONPATH:+:$PYTHONPATH} \
-  HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
-  LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$root/scripts/gpu/env.sh"
 profiles=()
 [ $# -gt 0 ] && profiles=(--profiles "$@")
 python3 -m tvc.report.gate "${profiles[@]}" --timeout-s "${GATE_TIMEOUT_S:-280}" \

@@ -18,13 +18,8 @@ cd "$root"
 RESULTS=${RESULTS:-/root/tvc-results-real}
 OUT=${OUT:-/tmp/tvc-out}
 mkdir -p "$RESULTS" "$OUT"
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
-# .whl-real first: lmcache 0.5.3 and its few missing dependencies; then the
-# session's /tmp/site (kvikio...), the vLLM bundle and the suite
-export PYTHONPATH=/tmp/site-real:/tmp/site:/root/vllm-bundle/site:$root HF_HUB_OFFLINE=1 \
-  VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
-  LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 \
-  LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$root/scripts/gpu/env.sh"
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
 BUDGET_S=${BUDGET_S:-540}
 
 pt() {  # pt NAME PYTEST-ARGS...: one pytest run, its own run folder and log

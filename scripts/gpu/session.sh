@@ -26,10 +26,7 @@ mkdir -p "$RESULTS" "$OUT"
 # The host sets PYTHONDONTWRITEBYTECODE=1 and the bundle has no bytecode: without a
 # cache every vLLM import compiles from source (API server import 24-27 s on the
 # H200 host, 13-16 s with the cache; a server start ~50 s -> ~36 s). `setup` fills it.
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
-export PYTHONPATH=/tmp/site:/root/vllm-bundle/site:$root HF_HUB_OFFLINE=1 \
-  VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
-  LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$root/scripts/gpu/env.sh"
 
 BUDGET_S=${BUDGET_S:-540}  # the device tool allows 600 s a command: stop runs before it
 

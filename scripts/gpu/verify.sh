@@ -13,10 +13,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 RESULTS=${RESULTS:-/root/tvc-results}
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/root/pyc}
-export PYTHONPATH=/tmp/site:/root/vllm-bundle/site:$root${PYTHONPATH:+:$PYTHONPATH} \
-  HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
-  LD_LIBRARY_PATH=/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. "$root/scripts/gpu/env.sh"
 status=0
 runs=()
 for run in "$RESULTS"/gate/*-certify-*/; do

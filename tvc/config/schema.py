@@ -183,6 +183,13 @@ class ConnectorSection(Section):
         "in the pytest process for the in-process tiers (level1, contract) from "
         "the start of the run to its end, and for every vLLM server under [vllm] "
         "env, e.g. { LMCACHE_TRACK_USAGE = \"false\" }")
+    call_timeout_s: float = bounded(
+        120.0, 3600.0, "seconds in an hour", "seconds one engine step of the "
+        "contract tier (every connector call in it) may take before the watchdog "
+        "stops it and fails the test naming the call", least=1)
+    test_timeout_s: float = bounded(
+        1800.0, 86_400.0, _DAY, "seconds one contract test may take "
+        "(pytest-timeout, signal method) unless --timeout is given", least=10)
 
     @staticmethod
     def _variables(info: ValidationInfo) -> dict[str, int | float]:

@@ -29,6 +29,12 @@ from tvc.contract.standins import (
     publishes_worker_meta,
 )
 from tvc.contract.worker import JobAckWorker, unwrap_metadata
+from tvc.core.watchdog import deadline, frame_line
+
+#: seconds one engine step (every connector call in it) may take before the
+#: watchdog stops it, when the profile sets no ``connector.call_timeout_s``: far
+#: above a CPU rig's steps (milliseconds) and a first CUDA call's set-up
+DEFAULT_CALL_TIMEOUT_S = 120.0
 
 
 # ---------------------------------------------------------------------------- driver
@@ -96,6 +102,37 @@ def connector_call(exc: BaseException) -> tuple[str, str]:
                     f"vLLM could not use what {method} returned: check it against "
                     f"KVConnectorBase_V1.{method}'s documented return type")
     return "", LOAD_SAVE_ADVICE
+
+
+def stuck_message(what: str, running: str, seconds: float, frame: Any,
+                  outer: bool) -> str:
+    """The failure of a connector call (or engine step) that never returned.
+
+    Args:
+        what: the block that was bounded (``engine step 5 (schedule ...)``).
+        running: the connector call running then (``Cls.method (scheduler
+            side, request req-3)``), or ''.
+        seconds: the bound that ran out.
+        frame: the frame that was running (where the call was stopped).
+        outer: the test's own time limit (pytest-timeout) ran out first.
+
+    Returns:
+        one paragraph: what, which call, where it was stopped, why it must
+        return and the bound's profile key.
+
+    """
+    limit = (f"the test's time limit (pytest-timeout, connector.test_timeout_s) "
+             f"ran out {seconds:g} s into it" if outer else
+             f"did not finish within {seconds:g} s (connector.call_timeout_s)")
+    call = (f"{running} never returned" if running else
+            "no connector call was running (vLLM's own code or the harness)")
+    at = frame_line(frame)
+    return (f"{what} {limit}: {call}; stopped at {at or 'an unknown place'}. vLLM "
+            "calls every connector method on the engine core's one thread "
+            "(EngineCore.step), so a call that loops or waits stops every request: "
+            "a full store must refuse the save (absorb it: a miss later) or evict, "
+            "never wait for space that only a later engine step can free; a lookup "
+            "or load that cannot finish must answer 0 or report the load failed")
 
 
 class RigPlanError(RuntimeError):
@@ -202,6 +239,12 @@ class EngineDriver:
             the worker side returned, in step order (what ``update_from_output``
             handed the scheduler's ``update_connector_output``).
 
+    A step that runs longer than :attr:`call_timeout_s` (the profile's
+    ``connector.call_timeout_s``) is stopped by a watchdog
+    (:func:`tvc.core.watchdog.deadline`): :class:`~tvc.core.watchdog.Stuck`
+    names the step, the stage, the connector call running and the line it was
+    stopped at.
+
     An exception other than ``AssertionError`` raised inside a step is re-raised
     as :class:`EngineStepError` naming the step and the stage (schedule, worker,
     update_from_output): a connector reports failures through vLLM's
@@ -239,7 +282,9 @@ class EngineDriver:
     coverage: CoverageLog = field(default_factory=CoverageLog)
     added: list[Any] = field(default_factory=list)
     scheduler_only: bool = False
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
     _acked: set[str] = field(default_factory=set)
+    _stage: str = ""
 
     def __post_init__(self) -> None:
         self.coverage.attach(self.connector, "scheduler")
@@ -282,31 +327,38 @@ class EngineDriver:
         """
         self.num_steps += 1
         self.coverage.step = self.num_steps
-        stage = "schedule (scheduler-side connector)"
+        self._stage = "schedule (scheduler-side connector)"
         try:
-            so = self.scheduler.schedule()
-            self.coverage.loading = self._load_pending()
-            self.coverage.preempted = bool(getattr(so, "preempted_req_ids", None))
-            stage = "between lookup and load (scenario hook)"
-            if self.before_worker is not None:
-                self.before_worker(so)
-            stage = "worker step (worker-side connector)"
-            mro = self._worker_step(so)
-            stage = "update_from_output (scheduler-side connector)"
-            self.scheduler.update_from_output(so, mro)
+            with deadline(self.call_timeout_s, self._stuck):
+                so = self.scheduler.schedule()
+                self.coverage.loading = self._load_pending()
+                self.coverage.preempted = bool(getattr(so, "preempted_req_ids",
+                                                       None))
+                self._stage = "between lookup and load (scenario hook)"
+                if self.before_worker is not None:
+                    self.before_worker(so)
+                self._stage = "worker step (worker-side connector)"
+                mro = self._worker_step(so)
+                self._stage = "update_from_output (scheduler-side connector)"
+                self.scheduler.update_from_output(so, mro)
         except (AssertionError, WorkerReportMissing, WorkerReportError,
                 NoWorkerHere):
             raise  # a check's failure, or the rig's own set-up error
         except Exception as exc:
             where, advice = connector_call(exc)
             raise EngineStepError(
-                f"engine step {self.num_steps} ({stage}) raised "
+                f"engine step {self.num_steps} ({self._stage}) raised "
                 f"{type(exc).__name__}: {exc}{where} — an exception escaped the "
                 f"engine step. {advice}") from exc
         self.history.append(StepRecord(dict(so.num_scheduled_tokens),
                                        type(so.kv_connector_metadata).__name__,
                                        sorted(so.finished_req_ids)))
         return so
+
+    def _stuck(self, seconds: float, frame: Any, outer: bool) -> str:
+        """The watchdog's message for this step (see :func:`stuck_message`)."""
+        return stuck_message(f"engine step {self.num_steps} ({self._stage})",
+                             self.coverage.running_call(), seconds, frame, outer)
 
     def _load_pending(self) -> bool:
         """Whether a request with an external hit has not computed yet (a load)."""

@@ -56,6 +56,7 @@ from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
 from tvc.contract.worker import POISON, ConnectorWorker, set_token_slots, slots_for
+from tvc.core.watchdog import Stuck
 
 BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
 MAX_CHUNKS = 3  # longest prompt: MAX_CHUNKS chunks + a tail of up to B + 1 tokens
@@ -91,6 +92,8 @@ INVARIANTS = {
     "no block or request leaks": (
         "request_finished / get_finished (finished_sending)"),
     "no exception escapes an engine step": "(named in the message)",
+    "every connector call returns": "(named in the message: the call that never "
+                                    "returned)",
 }
 
 
@@ -775,6 +778,12 @@ class Explorer:
     def _step(self) -> None:
         try:
             self.rig.driver.step()
+        except Stuck as exc:
+            import re
+
+            call = re.search(r": (\S+) \(\w+ side[^)]*\) never returned", str(exc))
+            self.fail("every connector call returns", str(exc),
+                      call.group(1) if call else "")
         except EngineStepError as exc:
             msg = str(exc)
             where = msg.split(" inside ", 1)[1].split(" (", 1)[0] if (

@@ -147,7 +147,9 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
            f"rig device {device!r}, connector.worker_devices = {devices}")
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,
-                          on_no_worker=on_no_worker)
+                          on_no_worker=on_no_worker,
+                          call_timeout_s=float(
+                              profile["connector"]["call_timeout_s"]))
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
 

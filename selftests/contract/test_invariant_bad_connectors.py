@@ -1,0 +1,93 @@
+"""The invariants of issue 31 catch each planted fault, in their own words.
+
+Every connector of ``invariant_bad_connectors.py`` is a correct panel member
+(``panel_connectors.py``) with ONE fault; each runs the one contract test
+whose invariant names that fault (CPU, a generated profile) and must fail with
+the expected message. The panel itself stays green on the same tests
+(``test_panel_connectors.py`` runs it whole).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from selftests.conftest import REPO_ROOT, SuiteRun, run_suite
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.hw_any
+
+SCEN = "suites/contract/test_scenarios.py"
+RULE = "(len - 1) // max(chunk_tokens, B) * max(chunk_tokens, B)"
+
+PROFILE = """\
+[profile]
+name = "issue31-{name}"
+[connector]
+name = "{cls}"
+module_path = "invariant_bad_connectors"
+kv_role = "kv_both"
+extra_config = {{ store_path = "${{SCRATCH}}/store", chunk_tokens = {chunk}{extra} }}
+granularity = "max(chunk_tokens, B)"
+hit_rule = "{rule}"
+hit_rule_source = "selftests/contract/panel_connectors.py"
+persistent_store = true
+worker_devices = ["cpu"]
+{keys}
+[scratch]
+dir = "{scratch}"
+"""
+
+
+def run_one(tmp_path: Path, cls: str, select: list[str], *, chunk: int = 16,
+            extra: str = "", keys: str = "", timeout_s: float = 600) -> SuiteRun:
+    """Run ``select`` (pytest arguments) against connector ``cls`` on CPU.
+
+    Args:
+        tmp_path: the test's folder (profile, scratch, report).
+        cls: a class of ``invariant_bad_connectors``.
+        select: test path and ``-k`` / ``-m`` arguments.
+        chunk: ``chunk_tokens`` of the extra config.
+        extra: more extra-config entries (``", key = value"``).
+        keys: more ``[connector]`` lines.
+        timeout_s: wall-clock limit of the run.
+
+    """
+    prof = tmp_path / f"{cls}.toml"
+    prof.write_text(PROFILE.format(name=cls, cls=cls, chunk=chunk, extra=extra,
+                                   rule=RULE, keys=keys,
+                                   scratch=tmp_path / "scratch"))
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(REPO_ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return run_suite([*select, "-p", "no:xdist", f"--tvc-profile={prof}"],
+                     tmp_path / "report", env=env, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------------- watchdog
+@pytest.mark.parametrize(("keys", "limit"), [
+    ("call_timeout_s = 2", r"did not finish within 2 s \(connector\.call_timeout_s\)"),
+    ("call_timeout_s = 600\ntest_timeout_s = 10",
+     r"the test's time limit \(pytest-timeout, connector\.test_timeout_s\) ran out "
+     r"\d+(\.\d+)? s into it"),
+], ids=["call", "test"])
+def test_a_call_that_never_returns_fails_its_test_and_the_run_reports(
+        keys: str, limit: str, tmp_path: Path) -> None:
+    run = run_one(tmp_path, "WaitsForSpaceConnector",
+                  [SCEN, "-m", "contract", "-k", "local_prefix and cpu"],
+                  extra=", capacity_chunks = 3", keys=keys, timeout_s=300)
+    assert run.summary is not None, run.tail()  # the run wrote its report
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed" and run.rc == 1, (t, run.tail(3000))
+    assert re.search(
+        r"engine step \d+ \(schedule \(scheduler-side connector\)\) " + limit
+        + r": WaitsForSpaceConnector\.update_state_after_alloc \(scheduler side, "
+        r"request req-\d+\) never returned; stopped at \S+invariant_bad_connectors"
+        r"\.py:\d+ in update_state_after_alloc: time\.sleep\(0\.001\)", msg), msg
+    assert "never wait for space that only a later engine step can free" in msg, msg
+    page = (run.report_dir / "summary.md").read_text()
+    assert "test_local_prefix_cache_hit_then_external_hit" in page, page[-2000:]

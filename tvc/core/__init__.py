@@ -1,0 +1,1 @@
+"""Ground-floor helpers with no pytest import: watchdog (deadlines)."""

@@ -7,6 +7,9 @@ this folder on PYTHONPATH). Every fault is a public defect's shape:
 
 * :class:`WaitsForSpaceConnector`: an allocation that waits (busy-loops) for
   room in a full store, which only a later engine step could make;
+* :class:`SavesAfterFreeConnector`: a write-behind save that reads the
+  request's blocks once vLLM says it finished, while ``request_finished``
+  returned False (vLLM freed the blocks at once);
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from panel_connectors import SyncPanelConnector
+import torch
+
+from panel_connectors import ChunkJob, PanelMetadata, SyncPanelConnector
 
 
 class WaitsForSpaceConnector(SyncPanelConnector):
@@ -29,3 +34,34 @@ class WaitsForSpaceConnector(SyncPanelConnector):
         while sum(1 for _ in self.root.rglob("*.safetensors")) >= cap:
             time.sleep(0.001)  # waits for room that never comes
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+class SavesAfterFreeConnector(SyncPanelConnector):
+    """Fault: queues each save (block ids only) and writes it when vLLM names
+    the request in ``finished_req_ids``, reading the blocks then; but
+    ``request_finished`` returns False, so vLLM freed them a step before. (The
+    correct shape returns True and names the request in ``finished_sending``
+    once written: ``DelayedFreePanelConnector``.)"""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._queued: list[ChunkJob] = []
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PanelMetadata)
+        self._queued += meta.saves
+
+    def get_finished(self, finished_req_ids: set[str]):
+        names = list(self._kv)
+        bdim = 1 if next(iter(self._kv.values())).dim() == 5 else 0
+        keep = []
+        for job in self._queued:
+            if job.req_id not in finished_req_ids:
+                keep.append(job)
+                continue
+            idx = torch.tensor(job.block_ids)
+            data = [self._kv[n].index_select(bdim, idx).contiguous() for n in names]
+            self._write(job, names, data)
+        self._queued = keep
+        return super().get_finished(finished_req_ids)

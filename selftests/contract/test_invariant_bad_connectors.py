@@ -91,3 +91,18 @@ def test_a_call_that_never_returns_fails_its_test_and_the_run_reports(
     assert "never wait for space that only a later engine step can free" in msg, msg
     page = (run.report_dir / "summary.md").read_text()
     assert "test_local_prefix_cache_hit_then_external_hit" in page, page[-2000:]
+
+
+# -------------------------------------------------------------- use after free
+def test_a_save_from_blocks_vllm_freed_is_named(tmp_path: Path) -> None:
+    run = run_one(tmp_path, "SavesAfterFreeConnector",
+                  [SCEN, "-m", "contract", "-k", "local_prefix and cpu"])
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    assert ("it holds the harness's mark of a block vLLM had freed when its "
+            "request finished: the entry was saved (save_kv_layer / wait_for_save "
+            "or a later write-behind) from blocks after request_finished let vLLM "
+            "free them — used after vLLM freed it. Fix: return True from "
+            "request_finished while a save from the request's blocks is queued"
+            ) in msg, msg

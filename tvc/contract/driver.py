@@ -283,7 +283,9 @@ class EngineDriver:
     added: list[Any] = field(default_factory=list)
     scheduler_only: bool = False
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    async_loads_started: int = 0
     _acked: set[str] = field(default_factory=set)
+    _async_poisoned: set[tuple[str, int]] = field(default_factory=set)
     _stage: str = ""
 
     def __post_init__(self) -> None:
@@ -334,6 +336,7 @@ class EngineDriver:
                 self.coverage.loading = self._load_pending()
                 self.coverage.preempted = bool(getattr(so, "preempted_req_ids",
                                                        None))
+                self._poison_async_loads()
                 self._stage = "between lookup and load (scenario hook)"
                 if self.before_worker is not None:
                     self.before_worker(so)
@@ -359,6 +362,33 @@ class EngineDriver:
         """The watchdog's message for this step (see :func:`stuck_message`)."""
         return stuck_message(f"engine step {self.num_steps} ({self._stage})",
                              self.coverage.running_call(), seconds, frame, outer)
+
+    def _poison_async_loads(self) -> None:
+        """Poison the slots an asynchronous load must fill, when it starts.
+
+        (Synchronous loads are poisoned by the worker itself, before the step
+        that loads them, :meth:`ConnectorWorker.expect_loads`.) A request that
+        waits for remote KV (``WAITING_FOR_REMOTE_KVS``) after a non-zero
+        answer gets :data:`~tvc.contract.worker.POISON` in the token slots
+        ``[local, local + matched)`` of the blocks vLLM allocated it, once per
+        admission (again after a preemption): a slot the load never writes can
+        then never hold the stored pattern, or a harness mark, by chance.
+        """
+        w = self.worker
+        if not hasattr(w, "poison_blocks"):
+            return
+        for rid, r in self.scheduler.requests.items():
+            if r.status.name != "WAITING_FOR_REMOTE_KVS":
+                continue
+            key = (rid, r.num_preemptions)
+            answers = [a for a in self.matched.get(rid, ()) if a[1]]
+            if key in self._async_poisoned or not answers:
+                continue
+            self._async_poisoned.add(key)
+            self.async_loads_started += 1
+            local, n, _ = answers[-1]
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            w.poison_blocks(ids, local, local + int(n or 0))
 
     def _load_pending(self) -> bool:
         """Whether a request with an external hit has not computed yet (a load)."""

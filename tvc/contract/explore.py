@@ -54,8 +54,10 @@ from tvc.config.depth import DEFAULT as DEFAULT_DEPTH
 from tvc.config.depth import DEPTHS
 from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
+from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
+from tvc.contract.freed import blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
-from tvc.contract.worker import POISON, ConnectorWorker, set_token_slots, slots_for
+from tvc.contract.worker import ConnectorWorker
 from tvc.core.watchdog import Stuck
 
 BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
@@ -94,6 +96,7 @@ INVARIANTS = {
     "no exception escapes an engine step": "(named in the message)",
     "every connector call returns": "(named in the message: the call that never "
                                     "returned)",
+    **FREED_INVARIANTS,
 }
 
 
@@ -311,7 +314,7 @@ class Explorer:
         #: request id -> engine steps in which blocks of it were reported failed
         self.fail_cycles: dict[str, int] = {}
         self.wait_steps: dict[str, int] = {}
-        self.poisoned: set[tuple[str, int]] = set()
+        self._async_seen = 0
         self.armed: list[tuple[str, str]] = []
         self.delay_left = 0
         self.delay_total = 0
@@ -332,6 +335,7 @@ class Explorer:
         if self.ktc is not None:
             kw["kv_transfer_config"] = self.ktc
         self.rig = self.make_rig(**kw)
+        self._async_seen = 0
         self._note_standin()
         _hold_distributed()
         if self.worker is not None:
@@ -718,43 +722,12 @@ class Explorer:
     def _between_lookup_and_load(self, so: Any) -> None:
         """Driver hook after ``schedule()``: poison async loads' slots, fire faults."""
         self._so_new = list(so.scheduled_new_reqs)
-        self._poison_async_loads()
+        d = self.rig.driver
+        self.stats.async_loads += d.async_loads_started - self._async_seen
+        self._async_seen = d.async_loads_started
         if self.family.faults:
             self._wrap_worker_for_delay()
             self._fire(in_step=True)
-
-    def _poison_async_loads(self) -> None:
-        """Fill the slots an asynchronous load must write with :data:`POISON`.
-
-        (Synchronous loads are poisoned by :class:`ConnectorWorker` itself.)
-        """
-        w = self.worker
-        if w is None:
-            return
-        sched, d = self.rig.scheduler, self.rig.driver
-        for rid, r in sched.requests.items():
-            if r.status.name != "WAITING_FOR_REMOTE_KVS":
-                continue
-            key = (rid, r.num_preemptions)
-            answers = [a for a in d.matched.get(rid, ()) if a[1]]
-            if key in self.poisoned or not answers:
-                continue
-            self.poisoned.add(key)
-            self.stats.async_loads += 1
-            local, n, _ = answers[-1]
-            ids = sched.kv_cache_manager.get_block_ids(rid)[0]
-            end = min(local + int(n), len(ids) * BLOCK_SIZE)
-            if end <= local:
-                continue
-            blocks, offs, _ = slots_for(ids, local, end, BLOCK_SIZE)
-            import torch
-
-            for kv in w.kv_caches.values():
-                b, o = blocks.to(kv.device), offs.to(kv.device)
-                from tvc.contract.worker import token_view
-
-                set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o),
-                                                          POISON))
 
     def _script(self) -> str:
         return "\n".join(["from tvc.contract.explore import replay_explorer",
@@ -862,9 +835,13 @@ class Explorer:
 
     def _check_loads(self) -> None:
         w = self.worker
+        if w is not None and w.freed_uses:
+            self.fail("no write into a free block",
+                      f"{len(w.freed_uses)} block(s): {w.freed_uses[0]}")
         if w is not None and w.load_errors:
-            self.fail("loaded KV bit-identical",
-                      f"{len(w.load_errors)} request(s): {w.load_errors[0]}")
+            err = w.load_errors[0]
+            invariant, method = blame(err) or ("loaded KV bit-identical", "")
+            self.fail(invariant, f"{len(w.load_errors)} request(s): {err}", method)
 
     def _backing(self, rid: str, k: int) -> tuple[int, int]:
         """Longest prefix of ``rid``'s prompt that requests computed before now.

@@ -141,6 +141,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             except ConnectorWorkerError as exc:
                 exc.runner = runner  # type: ignore[attr-defined]  # for reports
                 raise
+            worker.watch_frees(sched)  # marks the blocks vLLM frees
         elif spec and spec != BUILTIN_STANDIN:
             worker = load_worker_report(spec, vc, kcc, sched.connector)
     why = ("this test drives the scheduler side only" if scheduler_only else

@@ -37,6 +37,7 @@ from tvc.contract.invariants import (
     assert_block_aligned,
     assert_hit_matches_rule,
     assert_loaded_kv_bit_identical,
+    assert_no_write_into_free_blocks,
     assert_scheduler_empty_and_no_leaked_blocks,
     assert_untouched_outside,
     snapshot_kv,
@@ -283,6 +284,7 @@ def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
             f"({local} local) but started computing at token {start}, expected "
             f"{want}: the load was lost between the scheduler and the worker")
     if w is not None:
+        assert_no_write_into_free_blocks(w, what)
         errs = list(w.load_errors)
         assert not errs, (
             f"{what}: loaded KV differs from what was stored for {len(errs)} "
@@ -295,6 +297,7 @@ def finish(rig: Rig) -> None:
     """End of every scenario: bit-identical loads, empty scheduler, no leak."""
     w = real_worker(rig)
     if w is not None:
+        assert_no_write_into_free_blocks(w, "at the end")
         assert_loaded_kv_bit_identical(w)
     assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
 

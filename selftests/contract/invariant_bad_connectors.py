@@ -10,6 +10,11 @@ this folder on PYTHONPATH). Every fault is a public defect's shape:
 * :class:`SavesAfterFreeConnector`: a write-behind save that reads the
   request's blocks once vLLM says it finished, while ``request_finished``
   returned False (vLLM freed the blocks at once);
+* :class:`AppendsTableOnResumeConnector`: appends a resumed request's block
+  table to the one it had before its preemption instead of replacing it;
+* :class:`CountsScheduledTokensConnector`: counts a request's computed tokens
+  itself (the sum of its scheduled tokens) and never resets the count when
+  vLLM preempts the request and recomputes it;
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import time
 from typing import Any
 
 import torch
-
 from panel_connectors import ChunkJob, PanelMetadata, SyncPanelConnector
 
 
@@ -65,3 +69,37 @@ class SavesAfterFreeConnector(SyncPanelConnector):
             self._write(job, names, data)
         self._queued = keep
         return super().get_finished(finished_req_ids)
+
+
+class AppendsTableOnResumeConnector(SyncPanelConnector):
+    """Fault: a resumed request's block ids are appended to those it had before
+    its preemption (as for a running request), so its later saves read the old
+    blocks."""
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        old = self._block_ids.get(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if old is not None:  # a known request: its table is kept (and grown)
+            self._block_ids[request.request_id] = old
+
+    def _note_blocks(self, rid: str, block_ids: list[int], resumed: bool) -> None:
+        super()._note_blocks(rid, block_ids, resumed=False)
+
+
+class CountsScheduledTokensConnector(SyncPanelConnector):
+    """Fault: the computed-token count of a request is the sum of the tokens
+    scheduled for it, never reset: after a preemption vLLM recomputes from
+    ``num_computed_tokens``, and the count runs ahead of what is computed."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._count: dict[str, int] = {}
+
+    def _computed_after(self, rid: str, num_computed: int, scheduled: int) -> int:
+        self._count[rid] = self._count.get(rid, num_computed) + scheduled
+        return self._count[rid]
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        self._count.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)

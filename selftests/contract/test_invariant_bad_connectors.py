@@ -106,3 +106,48 @@ def test_a_save_from_blocks_vllm_freed_is_named(tmp_path: Path) -> None:
             "free them — used after vLLM freed it. Fix: return True from "
             "request_finished while a save from the request's blocks is queued"
             ) in msg, msg
+
+
+# ------------------------------------------------------------ resumed prefills
+RESUMED = ("test_chunked_prefill_preempted_and_resumed[cpu]")
+
+
+@pytest.mark.parametrize(("cls", "needles"), [
+    ("AppendsTableOnResumeConnector", (
+        "the block holds the KV of tokens [",
+        "of this request (another block of its own table)",
+        "was preempted after computing [76, 128] tokens and resumed on other block "
+        "ids (table [",
+        "the connector saved or loaded a chunk through the block table the request "
+        "had before its preemption (block table appended to, or kept; "
+        "build_connector_meta / update_state_after_alloc). Fix: after a preemption "
+        "vLLM resumes the request with a whole new block table")),
+    ("CountsScheduledTokensConnector", (
+        "it holds the harness's mark of a block vLLM had allocated but nothing had "
+        "computed yet: the entry was saved from tokens before vLLM computed them "
+        "(the connector counts computed tokens itself and its count ran ahead of "
+        "num_computed_tokens, e.g. it was not reset when vLLM preempted the request "
+        "and recomputed it)",)),
+])
+def test_state_kept_across_a_preemption_is_red(cls: str, needles: tuple[str, ...],
+                                                tmp_path: Path) -> None:
+    run = run_one(tmp_path, cls, [SCEN, "-m", "contract", "-k", "resumed and cpu"])
+    t = run.test(RESUMED)
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_the_exploration_finds_a_block_table_kept_across_a_preemption(
+        tmp_path: Path) -> None:
+    run = run_one(tmp_path, "AppendsTableOnResumeConnector",
+                  ["suites/contract/test_exploration.py", "-m", "contract", "-k",
+                   "preemption", "--tvc-seed=1"], timeout_s=900)
+    t = run.test("test_contract_holds_over_explored_event_sequences[preemption]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    assert "invariant 'no block table kept across a preemption' broken" in msg, msg
+    assert ("connector method at fault: build_connector_meta / "
+            "update_state_after_alloc (block ids of before the preemption)") in msg, msg
+    assert "ex.crowd(" in msg and "replay_explorer(" in msg, msg

@@ -33,6 +33,8 @@ def _premises_missing(stats, fam) -> list[str]:
         ("shared prefix", stats.shared_prefix), ("twins", stats.twins),
         ("restart", stats.restarts),
         ("preemption", stats.preemptions > 0 or not fam.preemption),
+        ("preemption of a prefill midway",
+         stats.preempted_prefills > 0 or not fam.preemption),
         ("tenant request", stats.tenant_requests > 0 or not fam.tenants),
         ("fault", stats.faults or not fam.faults)) if not ok]
     return missing

@@ -121,6 +121,14 @@ def test_chunked_prefill_stores_the_whole_prompt(make_rig, contract_profile,
     assert out["prefill_steps"] >= 2, out  # the prompt was prefilled over steps
 
 
+def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
+                                               record_property) -> None:
+    out = S.run_scenario(S.resumed_prefill, make_rig, contract_profile,
+                         record_property=record_property)
+    # preempted mid-prefill, then again; resumed on other blocks; replay hit
+    assert len(out["preempted_after"]) >= 2 and out["matched"] > 0, out
+
+
 def _fault_injector(profile, rig):
     """Return ``tvc.contract.faults.fault_injector_for(profile, rig)``.
 

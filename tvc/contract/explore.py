@@ -55,7 +55,7 @@ from tvc.config.depth import DEPTHS
 from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
 from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
-from tvc.contract.freed import blame
+from tvc.contract.freed import RESUME_FIX, blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
 from tvc.contract.worker import ConnectorWorker
 from tvc.core.watchdog import Stuck
@@ -64,6 +64,9 @@ BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
 MAX_CHUNKS = 3  # longest prompt: MAX_CHUNKS chunks + a tail of up to B + 1 tokens
 MAX_DECODE = 24  # output tokens at most (a few blocks of decode for preemption)
 MAX_SEQS = 8  # max_num_seqs of the rig
+# max_num_batched_tokens of the preemption family: 2 B + 8 (B + 8 mod B), so
+# chunked prefills end off block boundaries (the scenarios' resumed prefill)
+PREFILL_BUDGET = 2 * BLOCK_SIZE + 8
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
@@ -106,7 +109,10 @@ class Family:
 
     Attributes:
         name: test id.
-        preemption: a KV pool too small for the batch (vLLM preempts).
+        preemption: a KV pool too small for the batch (vLLM preempts), and
+            a step budget of :data:`PREFILL_BUDGET` tokens, so prompts are
+            prefilled in chunks that end off block boundaries and preempted
+            midway.
         tenants: requests carry ``cache_salt`` / a LoRA adapter.
         faults: store and load faults.
         one_token: prompts of a single token too (the others start at 2).
@@ -197,6 +203,10 @@ class Stats:
     twins: int = 0
     tenant_requests: int = 0
     preemptions: int = 0
+    #: preemptions of a request that had not computed its whole prompt yet
+    preempted_prefills: int = 0
+    #: requests preempted more than once
+    preempted_again: int = 0
     resets: int = 0
     restarts: int = 0
     aborts: dict[str, int] = field(default_factory=dict)
@@ -308,6 +318,8 @@ class Explorer:
         self.tenant: dict[str, str | None] = {}
         self.content: dict[str, list[int]] = {}
         self.max_computed: dict[str, int] = {}
+        self.last_computed: dict[str, int] = {}  # at the last step's end
+        self.preempted_prefill_ids: list[str] = []
         self.answers_seen: dict[str, int] = {}
         self.first_checked: set[str] = set()
         self.reported: set[str] = set()
@@ -332,6 +344,8 @@ class Explorer:
     def _build(self) -> None:
         kw: dict[str, Any] = dict(block_size=BLOCK_SIZE, num_blocks=self.num_blocks,
                                   max_num_seqs=MAX_SEQS)
+        if self.family.preemption:
+            kw["max_num_batched_tokens"] = PREFILL_BUDGET
         if self.ktc is not None:
             kw["kv_transfer_config"] = self.ktc
         self.rig = self.make_rig(**kw)
@@ -476,6 +490,32 @@ class Explorer:
         self.stats.twins += int(twin)
         self.stats.tenant_requests += len(ids) if tenant else 0
         return ids
+
+    def crowd(self, replay_of: int | None = None) -> list[str]:
+        """Two decoding requests ahead of the longest prefill, in a full pool.
+
+        Two prompts of ``B - 1`` tokens (one block each, :data:`MAX_DECODE`
+        output tokens) prefill in one step; then the longest prompt
+        (:data:`MAX_CHUNKS` chunks and ``B + 1`` tokens; or an earlier prompt
+        again, ``replay_of``) comes behind them. In the ``preemption``
+        family's pool (the longest request and 3 blocks) the decoders' second
+        blocks, one step later, leave it too few for its next chunk: vLLM
+        preempts it midway through its prefill (the last running request,
+        ``Scheduler.schedule``) and resumes it later on other blocks.
+
+        Returns:
+            the request ids added (the decoders, then the long one).
+
+        """
+        self.log.append(f"ex.crowd(replay_of={replay_of})")
+        ids = [i for _ in range(2) for i in self._add(0, BLOCK_SIZE - 1, None, None,
+                                                      False, None, MAX_DECODE,
+                                                      None)]
+        self._step()
+        if replay_of is not None and self.prompts:
+            return ids + self._add(0, 1, None, None, False, None, 8, replay_of)
+        return ids + self._add(MAX_CHUNKS, BLOCK_SIZE + 1, None, None, False, None,
+                               8, None)
 
     def warm(self, prompts: list[tuple[int, int]], tenant: str | None = None
              ) -> None:
@@ -831,7 +871,13 @@ class Explorer:
             if r.num_preemptions and r.num_preemptions > (
                     self.max_computed.get(("p", rid), 0)):  # type: ignore[arg-type,call-overload]
                 self.stats.preemptions += 1
+                if self.last_computed.get(rid, 0) < r.num_prompt_tokens:
+                    self.stats.preempted_prefills += 1
+                    self.preempted_prefill_ids.append(rid)
+                if r.num_preemptions == 2:
+                    self.stats.preempted_again += 1
                 self.max_computed[("p", rid)] = r.num_preemptions  # type: ignore
+            self.last_computed[rid] = r.num_computed_tokens
 
     def _check_loads(self) -> None:
         w = self.worker
@@ -841,6 +887,15 @@ class Explorer:
         if w is not None and w.load_errors:
             err = w.load_errors[0]
             invariant, method = blame(err) or ("loaded KV bit-identical", "")
+            ids = self.preempted_prefill_ids
+            if "another block of its own table" in err and ids:
+                invariant = "no block table kept across a preemption"
+                method = FREED_INVARIANTS[invariant]
+                err += (f"; request(s) {', '.join(ids[:4])} of this sequence were "
+                        "preempted midway through their prefill and resumed on "
+                        "other block ids: a connector that keeps (or appends to) "
+                        "the block table of before a preemption saves and loads "
+                        f"through blocks the request no longer has. Fix: {RESUME_FIX}")
             self.fail(invariant, f"{len(w.load_errors)} request(s): {err}", method)
 
     def _backing(self, rid: str, k: int) -> tuple[int, int]:
@@ -1080,6 +1135,13 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
                 self._do("drain")
                 self._do("reset_prefix_cache")
             self._do("add", 0, tail, None, None, twin, tenant, max_tokens, of)
+
+        @precondition(lambda self: family.preemption and self.ex is not None
+                      and not self.ex.rig.scheduler.requests)
+        @rule(replay_of=st.none() | st.integers(0, 7))
+        def crowd(self, replay_of: int | None) -> None:
+            """Decoders ahead of a long prefill: preempted midway, resumed."""
+            self._do("crowd", replay_of)
 
         @rule(count=st.integers(1, 3))
         def step(self, count: int) -> None:

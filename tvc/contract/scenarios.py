@@ -931,6 +931,130 @@ def chunked_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
             "matched": m}
 
 
+def resumed_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """10. A chunked prefill preempted midway and resumed on other blocks, twice.
+
+    vLLM preempts the last running request when a running one cannot get a
+    block (``Scheduler.schedule``: ``preempted_req = self.running.pop()``),
+    frees its blocks and zeroes its ``num_computed_tokens``
+    (``_preempt_request``), and resumes it later with a whole new block table
+    (``CachedRequestData.resumed_req_ids``: its ``new_block_ids`` replace the
+    old ones) from its local prefix-cache hit and the connector's new answer
+    (``vllm/v1/core/sched/scheduler.py``, 0.28 and 0.33). A connector that
+    keeps per-request state across that (a block table appended to, a count of
+    computed tokens) saves from blocks the request no longer has, or tokens not
+    computed yet.
+
+    1. D1 and D2 (``B - 2`` tokens: one block each) prefill in one step and
+       decode; a step budget of ``2 B + 8`` tokens ends every prefill chunk off
+       a block boundary;
+    2. a long prompt L (7 chunks + ``B / 2 + 1``) arrives; the pool holds L's
+       prompt and what D2 holds when D1 ends: while both D's grow, L cannot
+       finish its prefill and vLLM preempts it midway; D1 ends, L resumes on
+       other block ids (D1's, its own taken by the D's) with no block to
+       spare, and the next block L or D2 needs preempts it again;
+    3. every load on a re-admission is verified as it happens (the worker), and
+       every block the connector read for a save after a resumption is verified
+       by the replay: drop vLLM's prefix cache, replay L: the rule's hit,
+       bit-identical loads; nothing leaks.
+
+    Returns:
+        L's length, the budget, its preemptions (with the tokens it had computed
+        before each), its block tables before and after the first one, and the
+        replay's hit.
+
+    """
+    b = BLOCK_SIZE
+    n = prompt_len(profile, b, 7, b // 2 + 1)
+    # L's share of a step is 2B + 6 tokens (B + 6 mod B): its chunks end off
+    # block boundaries, and after a preemption at 2 such chunks a count that
+    # was not reset runs B - 4 tokens ahead across a chunk boundary
+    budget = 2 * b + 8
+    d_len = b - 2  # D1, D2 cross into their second block in L's third step
+    steps = -(-n // (budget - 2))  # L's prefill steps beside two decodes
+    # null block + L's prompt + D2's blocks when D1 ends (steps + 2 tokens
+    # on): L resumes exactly then, and any growth preempts it again; before,
+    # D1 and D2 hold more, so L cannot finish its prefill
+    pool = 1 + -(-n // b) + -(-(d_len + steps + 3) // b)
+    rig = make_rig(block_size=b, num_blocks=pool, max_num_batched_tokens=budget,
+                   max_num_seqs=4)
+    sched, d = rig.scheduler, rig.driver
+    # D1 ends soon after L's prefill would have (L resumes on its blocks);
+    # D2 decodes on, crossing into a new block every B steps
+    d1 = rig.request(d_len, max_tokens=steps + 2)
+    d2 = rig.request(d_len, max_tokens=steps + 3 * b)
+    d.add(d1, d2)                                                    # 1
+    d.step()
+    assert d1.num_output_tokens and d2.num_output_tokens, (
+        f"scenario did not happen: D1 and D2 ({d_len} tokens each) did not "
+        f"prefill in one step of {budget} tokens")
+    long = rig.request(n, max_tokens=2 * b)
+    d.add(long)                                                      # 2
+    rid = long.request_id
+    before: list[int] = []  # tokens computed at the step before each preemption
+    tables: list[list[int]] = []  # L's table before its first preemption, after
+    off_boundary = 0
+    computed = 0
+    table: list[int] = []
+    for _ in range(d.max_steps):
+        if not sched.requests:
+            break
+        so = d.step()
+        if long.num_preemptions > len(before):
+            before.append(computed)
+            if len(tables) == 0:
+                tables.append(table)
+        got = so.num_scheduled_tokens.get(rid, 0)
+        if got > 1 and long.num_computed_tokens % b:
+            off_boundary += 1
+        if rid in sched.requests and long.status.name == "RUNNING":
+            table = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+            if len(tables) == 1 and long.num_preemptions:
+                tables.append(table)
+        computed = long.num_computed_tokens
+    d.run_until_idle()
+    mid = [c for c in before if c < n]
+    assert mid, (
+        f"scenario did not happen: the {n}-token prompt was not preempted before "
+        f"its prefill ended (preemptions after {before} computed tokens; pool "
+        f"{pool} blocks, budget {budget})")
+    assert len(before) >= 2, (
+        f"scenario did not happen: the {n}-token prompt was preempted "
+        f"{len(before)} time(s), expected at least 2 (pool {pool} blocks)")
+    assert off_boundary, (
+        f"scenario did not happen: no prefill chunk of the {n}-token prompt ended "
+        f"off a block boundary (budget {budget})")
+    assert len(tables) == 2 and tables[0] != tables[1][:len(tables[0])], (
+        "scenario did not happen: the prompt resumed on the block ids it had "
+        f"before its preemption ({tables}): nothing else took its freed blocks")
+    _cold(rig)                                                        # 3
+    replay = _replay(rig, long)
+    rig.driver.run(replay)
+    _, m = check_hit(rig, replay, rule_hit(profile, n, b),
+                     f"resumed prefill ({len(before)} preemptions)")
+    assert m > 0, (
+        f"scenario did not happen: the replay of the {n}-token prompt matched "
+        "nothing, so no saved block was checked")
+    try:
+        check_every_load(rig, [long, replay],
+                         f"resumed prefill ({len(before)} preemptions, computed "
+                         f"{before} before each)")
+        finish(rig)
+    except AssertionError as exc:
+        from tvc.contract.freed import RESUME_FIX
+
+        own = "another block of its own table" in str(exc)
+        raise AssertionError(
+            f"{exc} — request {rid} was preempted after computing {before} tokens "
+            f"and resumed on other block ids (table {tables[0]} -> {tables[1]})"
+            + (": the connector saved or loaded a chunk through the block table the "
+               "request had before its preemption (block table appended to, or "
+               f"kept; build_connector_meta / update_state_after_alloc). Fix: "
+               f"{RESUME_FIX}" if own else "")) from exc
+    return {"prompt_len": n, "budget": budget, "pool": pool,
+            "preempted_after": before, "tables": tables, "matched": m}
+
+
 # ------------------------------------------------- connector API paths vLLM drives
 IDLE_STEPS = 4  # EngineDriver.run_until_idle's empty steps after the last request
 

@@ -651,6 +651,8 @@ class ConnectorWorker:
                 poisoned = not bool(rest.ne(POISON).any())
                 marked = next((mark_meaning(m) for m in MARKS if holds(rest, m)),
                               "")
+                if not (zero or poisoned or marked):
+                    marked = self._whose_kv(req_id, name, i, start + bad)
                 worst = (start + bad,
                          f"layer {name}: token {start + bad} (block "
                          f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
@@ -662,6 +664,41 @@ class ConnectorWorker:
                             "nothing was loaded into them)" if poisoned else ")")
                          + marked)
         return worst
+
+    def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
+        """Which other block of the request's prompt the block of ``pos`` holds.
+
+        A diagnosis for a mismatch: a store entry saved from (or a load into)
+        the wrong block of the request's own table holds another position's
+        KV of the same prompt.
+
+        Returns:
+            "; the block holds the KV of tokens [a, b) of this request" or "".
+
+        """
+        import torch
+
+        b = self.block_size
+        k = pos // b
+        n = min(len(self.tokens.get(req_id, ())),
+                len(self.block_table.get(req_id, ())) * b)
+        if (k + 1) * b > n:
+            return ""
+        kv = self.kv_caches[name]
+        blocks, offs, _pos, _tok = self._token_slots(req_id, k * b, (k + 1) * b)
+        got = self.read_slots(name, blocks, offs)
+        for j in range(n // b):
+            if j == k:
+                continue
+            pos_j = torch.arange(j * b, (j + 1) * b, dtype=torch.long)
+            tok_j = torch.tensor(self.tokens[req_id][j * b:(j + 1) * b],
+                                 dtype=torch.long)
+            if torch.equal(got, self.pattern(kv, layer_index(name, layer), pos_j,
+                                             tok_j)):
+                return (f"; the block holds the KV of tokens [{j * b}, "
+                        f"{(j + 1) * b}) of this request (another block of its own "
+                        "table)")
+        return ""
 
     def read_slots(self, name: str, blocks: Any, offsets: Any) -> Any:
         """:func:`token_view` of layer ``name``, seeing through freed-block marks.

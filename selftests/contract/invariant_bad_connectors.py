@@ -15,6 +15,8 @@ this folder on PYTHONPATH). Every fault is a public defect's shape:
 * :class:`CountsScheduledTokensConnector`: counts a request's computed tokens
   itself (the sum of its scheduled tokens) and never resets the count when
   vLLM preempts the request and recomputes it;
+* :class:`StoresEverythingConnector`: stores every whole chunk of a request,
+  prompt and output, again at every step, as new entries;
 """
 
 from __future__ import annotations
@@ -103,3 +105,21 @@ class CountsScheduledTokensConnector(SyncPanelConnector):
     def request_finished(self, request: Any, block_ids: list[int]):
         self._count.pop(request.request_id, None)
         return super().request_finished(request, block_ids)
+
+
+class StoresEverythingConnector(SyncPanelConnector):
+    """Fault: at every step it stores every whole chunk a running request has
+    computed so far, the output's included, as new entries (the step number in
+    the key): several entries per chunk and request."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> PanelMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self._step_no = getattr(self, "_step_no", 0) + 1
+        per = self.blocks_per_chunk
+        for rid, req in self._requests.items():
+            table = self._block_ids.get(rid, [])
+            done = min(req.num_computed_tokens, len(table) * self.block_size)
+            for k, key in enumerate(self._keys(req, done)):
+                meta.saves.append(ChunkJob(rid, f"{key}-{self._step_no:05d}",
+                                           table[k * per:(k + 1) * per]))
+        return meta

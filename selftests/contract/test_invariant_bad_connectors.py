@@ -87,7 +87,8 @@ def test_a_call_that_never_returns_fails_its_test_and_the_run_reports(
         r"engine step \d+ \(schedule \(scheduler-side connector\)\) " + limit
         + r": WaitsForSpaceConnector\.update_state_after_alloc \(scheduler side, "
         r"request req-\d+\) never returned; stopped at \S+invariant_bad_connectors"
-        r"\.py:\d+ in update_state_after_alloc: time\.sleep\(0\.001\)", msg), msg
+        r"\.py:\d+ in update_state_after_alloc: (time\.sleep\(0\.001\)|while sum)",
+        msg), msg
     assert "never wait for space that only a later engine step can free" in msg, msg
     page = (run.report_dir / "summary.md").read_text()
     assert "test_local_prefix_cache_hit_then_external_hit" in page, page[-2000:]
@@ -151,3 +152,20 @@ def test_the_exploration_finds_a_block_table_kept_across_a_preemption(
     assert ("connector method at fault: build_connector_meta / "
             "update_state_after_alloc (block ids of before the preemption)") in msg, msg
     assert "ex.crowd(" in msg and "replay_explorer(" in msg, msg
+
+
+# --------------------------------------------------------------- write volume
+def test_writing_more_than_vllm_asked_is_red(tmp_path: Path) -> None:
+    run = run_one(tmp_path, "StoresEverythingConnector",
+                  [SCEN, "-m", "contract", "-k", "writes_no_more and cpu"])
+    t = run.test("test_writes_no_more_than_vllm_asked_to_store[cpu]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    assert re.search(
+        r"write volume: after 1 request\(s\) \(24-token prompts, 32 output tokens "
+        r"each\) the connector has written [\d,]+ bytes in \d+ entries under \S+, "
+        r"more than vLLM asked it to store: at most 114,688 bytes and 6 entries — 2 "
+        r"blocks of 16,384 KV bytes \(the prompt's blocks; connector.stores_decode "
+        r"= false\) x 1.5 \+ 65,536 bytes and 2 entries of metadata per request",
+        msg), msg
+    assert "store each block vLLM hands over once" in msg, msg

@@ -183,6 +183,9 @@ class ConnectorSection(Section):
         "in the pytest process for the in-process tiers (level1, contract) from "
         "the start of the run to its end, and for every vLLM server under [vllm] "
         "env, e.g. { LMCACHE_TRACK_USAGE = \"false\" }")
+    stores_decode: bool = Field(False, description="the connector stores the "
+                                "output's blocks too, not only the prompt's (the "
+                                "contract tier's write-volume bound counts them)")
     call_timeout_s: float = bounded(
         120.0, 3600.0, "seconds in an hour", "seconds one engine step of the "
         "contract tier (every connector call in it) may take before the watchdog "

@@ -126,13 +126,37 @@ def stuck_message(what: str, running: str, seconds: float, frame: Any,
              f"did not finish within {seconds:g} s (connector.call_timeout_s)")
     call = (f"{running} never returned" if running else
             "no connector call was running (vLLM's own code or the harness)")
-    at = frame_line(frame)
+    own = _connector_frame(frame)
+    at = frame_line(own or frame)
+    if own is not None and own is not frame:
+        at += f" (inside {frame_line(frame)})"
     return (f"{what} {limit}: {call}; stopped at {at or 'an unknown place'}. vLLM "
             "calls every connector method on the engine core's one thread "
             "(EngineCore.step), so a call that loops or waits stops every request: "
             "a full store must refuse the save (absorb it: a miss later) or evict, "
             "never wait for space that only a later engine step can free; a lookup "
             "or load that cannot finish must answer 0 or report the load failed")
+
+
+def _connector_frame(frame: Any) -> Any:
+    """The innermost frame running the connector's own code (None: none).
+
+    A frame whose ``self`` is a ``KVConnectorBase_V1`` (its method or helper),
+    walking out from ``frame``: where a loop in the connector was stopped, even
+    inside a library call it makes.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+        )
+    except ImportError:
+        return None
+    f = frame
+    while f is not None:
+        if isinstance(f.f_locals.get("self"), KVConnectorBase_V1):
+            return f
+        f = f.f_back
+    return None
 
 
 class RigPlanError(RuntimeError):

@@ -1055,6 +1055,123 @@ def resumed_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
             "preempted_after": before, "tables": tables, "matched": m}
 
 
+#: slack of the write-volume bound over the KV bytes vLLM asked to store: a file
+#: format's header, digests and alignment (safetensors: an 8-byte length and a
+#: JSON header per file; the panel: a SHA-256 per block in it)
+WRITE_SLACK = 0.5
+#: bytes a request may write beyond its blocks' KV: metadata files (an index,
+#: a manifest), whatever the KV size
+WRITE_META_BYTES = 64 * 1024
+#: entries (files) a request may write beyond one per block and layer
+WRITE_META_ENTRIES = 2
+
+
+def kv_bytes_per_block(rig: Rig) -> int:
+    """Bytes of one KV block over every layer (``KVCacheSpec.page_size_bytes``).
+
+    Args:
+        rig: the rig (its ``kv_cache_config``: one group per attention kind).
+
+    Returns:
+        the sum over the KV cache groups of ``page_size_bytes`` times the
+        group's layers: what one block of one request holds in vLLM's cache.
+
+    """
+    return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+               for g in rig.kv_cache_config.kv_cache_groups)
+
+
+def write_volume(make_rig: MakeRig, profile: Any,
+                 injector_factory: Callable[[Rig], Any]) -> dict[str, Any]:
+    """11. What a connector writes per request is bounded by what vLLM asked.
+
+    vLLM hands a connector the blocks of a request to store: the blocks of its
+    prompt (``build_connector_meta`` sees them scheduled, ``request_finished``
+    gets the block ids of its computed tokens, ``vllm/v1/core/sched/
+    scheduler.py`` ``_connector_finished``), and the blocks of its output for a
+    connector that stores decoded tokens too (``connector.stores_decode``). A
+    connector that stores more (every chunk again at every step, each decode
+    step's whole sequence, several copies of an entry) fills its store many
+    times faster than it needs to, and evicts what it could serve.
+
+    The bound, per request, in KV bytes: ``blocks * kv_bytes_per_block * (1 +
+    WRITE_SLACK) + WRITE_META_BYTES`` and ``blocks * layers +
+    WRITE_META_ENTRIES`` files, where ``blocks`` is ``ceil(prompt / B)`` (a
+    partial last block may be stored too), ``ceil((prompt + output) / B)``
+    with ``stores_decode``. Checked cumulatively after each request (a write
+    that lands after its request ended counts against the next one's bound
+    too, never twice).
+
+    1. three prompts (1 chunk + B/2, 2 chunks + 1, 4 chunks + B/2 + 1 tokens)
+       with ``2 B`` output tokens each, one after the other;
+    2. after each, the files under the connector's store folder written or
+       changed since the start (:class:`tvc.contract.faults.FileStoreInjector`)
+       stay within the sum of the bounds so far.
+
+    Returns:
+        bytes and entries written per request, the bounds, KV bytes per block.
+
+    Raises:
+        NotApplicable: the connector's store is not files under a folder of
+            its ``kv_connector_extra_config`` (nothing to measure).
+
+    """
+    from tvc.contract.faults import FileStoreInjector
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    inj = injector_factory(rig)
+    if not isinstance(inj, FileStoreInjector):
+        raise NotApplicable(
+            "the connector's store is no folder of files named in its "
+            f"kv_connector_extra_config ({type(inj).__name__}): the bytes it "
+            "writes cannot be measured here")
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    per_block = kv_bytes_per_block(rig)
+    layers = sum(len(g.layer_names) for g in rig.kv_cache_config.kv_cache_groups)
+    decode = bool(profile["connector"]["stores_decode"])
+    out_tokens = 2 * b
+    start = inj.mark()
+    bound_bytes = bound_entries = 0
+    rows = []
+    for chunks, tail in ((1, b // 2), (2, 1), (4, b // 2 + 1)):
+        n = prompt_len(profile, b, chunks, tail)
+        r = _store(rig, n, max_tokens=out_tokens)                   # 1
+        blocks = -(-(n + (out_tokens if decode else 0)) // b)
+        bound_bytes += int(blocks * per_block * (1 + WRITE_SLACK)) + WRITE_META_BYTES
+        bound_entries += blocks * layers + WRITE_META_ENTRIES
+        files = inj.entries_since(start)                             # 2
+        written = sum(p.stat().st_size for p in files if p.exists())
+        rows.append({"request": r.request_id, "prompt": n, "blocks": blocks,
+                     "bytes": written, "entries": len(files)})
+        what = (f"{len(rows)} request(s) ({', '.join(str(x['prompt']) for x in rows)}"
+                f"-token prompts, {out_tokens} output tokens each)")
+        assert written <= bound_bytes and len(files) <= bound_entries, (
+            f"write volume: after {what} the connector has written {written:,} "
+            f"bytes in {len(files)} entries under {inj.root}, more than vLLM asked "
+            f"it to store: at most {bound_bytes:,} bytes and {bound_entries} "
+            f"entries — {sum(x['blocks'] for x in rows)} blocks of "
+            f"{per_block:,} KV bytes ({'prompt and output' if decode else 'the prompt'}"
+            f"'s blocks; connector.stores_decode = {str(decode).lower()}) "
+            f"x {1 + WRITE_SLACK:g} + {WRITE_META_BYTES:,} bytes and "
+            f"{WRITE_META_ENTRIES} entries of metadata per request. The connector "
+            "stores more than it is asked (each chunk again at every step, the "
+            "output's tokens, several entries per block): store each block vLLM "
+            "hands over once (build_connector_meta / save_kv_layer / "
+            "wait_for_save)")
+    assert rows[-1]["bytes"] > 0, (
+        f"scenario did not happen: the connector wrote nothing under {inj.root} "
+        f"for {len(rows)} stored prompts")
+    _cold(rig)
+    replay = _replay(rig, r)
+    rig.driver.run(replay)
+    check_hit(rig, replay, rule_hit(profile, replay.num_prompt_tokens, b),
+              "write volume (the store holds what it was asked)")
+    check_every_load(rig, [replay], "write volume")
+    finish(rig)
+    return {"kv_bytes_per_block": per_block, "chunk": c, "requests": rows,
+            "bound_bytes": bound_bytes, "bound_entries": bound_entries}
+
+
 # ------------------------------------------------- connector API paths vLLM drives
 IDLE_STEPS = 4  # EngineDriver.run_until_idle's empty steps after the last request
 

@@ -1249,12 +1249,15 @@ def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     """KV cache events (``take_events``, worker events) against what was stored.
 
     1. a rig with vLLM's KV cache events on (``--kv-events-config`` with
-       ``enable_kv_cache_events``); store a prompt and another, drop vLLM's
-       local cache, replay the first (an external hit);
+       ``enable_kv_cache_events``); store a prompt, then a prompt that extends
+       it by two chunks (its first new block's parent is the first prompt's
+       last block), then another; drop vLLM's local cache, replay the
+       extended one (an external hit);
     2. :func:`tvc.contract.api_checks.check_events`: every ``BlockStored``
-       names blocks these requests computed, with their tokens and parent;
-       ``BlockRemoved`` only stored blocks; every block the hit served was
-       announced.
+       names blocks these requests computed, in the form vLLM publishes, with
+       their tokens, as a piece of vLLM's hash chain hung on an announced
+       parent; ``BlockRemoved`` only stored blocks; every block the hit served
+       was announced.
 
     Raises:
         NotApplicable: the connector keeps vLLM's default (no events).
@@ -1270,8 +1273,18 @@ def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
             "get_kv_connector_kv_cache_events (no KV cache events): nothing to "
             "check")
     n = scenario_lengths(profile, rig.block_size)["single"]
+    first = _store(rig, n)
+    c = chunk_tokens(profile, rig.block_size)
+    longer = _store(rig, n + 2 * c, shared_prefix=first.prompt_token_ids)
     _store(rig, n)
-    stored, replay, hit = _stored_then_served(profile, rig)
+    _cold(rig)
+    replay = _replay(rig, longer)
+    rig.driver.run(replay)
+    _local, hit, _ = external_hit(rig.driver, replay)
+    assert hit > n - c, (
+        f"scenario did not happen: the replay of a stored {n + 2 * c}-token prompt "
+        f"(extending a stored {n}-token one) matched {hit} tokens, not beyond the "
+        "shorter prompt, so no extended chain was served")
     emitted = sum(len(evs) for _side, _step, evs in rig.driver.coverage.events)
     if not emitted:
         # an emitter that misses a block still gets every check below

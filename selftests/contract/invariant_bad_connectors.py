@@ -17,6 +17,10 @@ this folder on PYTHONPATH). Every fault is a public defect's shape:
   vLLM preempts the request and recomputes it;
 * :class:`StoresEverythingConnector`: stores every whole chunk of a request,
   prompt and output, again at every step, as new entries;
+* :class:`AssertsWholeChunksConnector`: its own ``assert`` (with a message) that
+  a load starts at a chunk's first block, which vLLM's local prefix cache
+  breaks;
+* :class:`LoadsNextLayerConnector`: loads each layer's KV into the next layer.
 """
 
 from __future__ import annotations
@@ -123,3 +127,32 @@ class StoresEverythingConnector(SyncPanelConnector):
                 meta.saves.append(ChunkJob(rid, f"{key}-{self._step_no:05d}",
                                            table[k * per:(k + 1) * per]))
         return meta
+
+
+class AssertsWholeChunksConnector(SyncPanelConnector):
+    """Fault: asserts that every load starts at a chunk's first block; vLLM's
+    local prefix-cache hit ends inside a chunk whenever it is not a multiple of
+    the chunk."""
+
+    def _load(self, job: ChunkJob) -> int | None:
+        assert job.first == 0, (
+            f"load of chunk {job.key[:8]} starts at its block {job.first}")
+        return super()._load(job)
+
+
+class LoadsNextLayerConnector(SyncPanelConnector):
+    """Fault: loads each layer's KV into the next layer (the last into the
+    first), as a store that keys layers by their position in a reordered list."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._saving = dict(self._kv)
+
+    def _load(self, job: ChunkJob) -> int | None:
+        names = list(self._saving)
+        self._kv = dict(zip(names, [self._saving[n] for n in names[1:] + names[:1]],
+                            strict=True))
+        try:
+            return super()._load(job)
+        finally:
+            self._kv = dict(self._saving)

@@ -169,3 +169,63 @@ def test_writing_more_than_vllm_asked_is_red(tmp_path: Path) -> None:
         r"= false\) x 1.5 \+ 65,536 bytes and 2 entries of metadata per request",
         msg), msg
     assert "store each block vLLM hands over once" in msg, msg
+
+
+# ---------------------------------------------------------------- attribution
+def test_a_connector_assert_shows_its_file_and_line(tmp_path: Path) -> None:
+    run = run_one(tmp_path, "AssertsWholeChunksConnector",
+                  [SCEN, "-m", "contract", "-k", "local_prefix and cpu"], chunk=32)
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    assert re.search(
+        r"engine step \d+ \(worker step \(worker-side connector\)\): the "
+        r"connector's own assert failed in AssertsWholeChunksConnector\._load "
+        r"\(\S+invariant_bad_connectors\.py:\d+ in _load: assert job\.first == 0, "
+        r"\(\): load of chunk \w+ starts at its block 1 — an internal check of the "
+        r"connector's code, not a check of this suite", msg), msg
+
+
+def test_a_wrong_layer_red_names_the_layer_it_found(tmp_path: Path) -> None:
+    run = run_one(tmp_path, "LoadsNextLayerConnector",
+                  [SCEN, "-m", "contract", "-k", "local_prefix and cpu"])
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    msg = t.get("message") or ""
+    assert t["outcome"] == "failed", (t, run.tail(3000))
+    assert ("does not hold the KV that was stored for it (16 of 16 tokens differ); "
+            "the slots hold layer model.layers.1.self_attn.attn's KV of these "
+            "tokens: the connector loaded (or saved) another layer's KV into this "
+            "one") in msg, msg
+
+
+def test_a_request_beyond_the_pool_is_named_the_plans_fault(tmp_path: Path
+                                                            ) -> None:
+    import sys
+
+    from tvc import contract as C
+    from tvc.config.profile import load
+    from tvc.contract.driver import RigPlanError
+
+    prof = tmp_path / "panel.toml"
+    prof.write_text(PROFILE.format(
+        name="pool", cls="SyncPanelConnector", chunk=16, extra="", rule=RULE,
+        keys="", scratch=tmp_path / "scratch").replace(
+            'module_path = "invariant_bad_connectors"',
+            'module_path = "panel_connectors"'))
+    sys.path.insert(0, str(HERE))
+    try:
+        profile = load(str(prof))
+        rig = C.make_rig(profile, profile.scratch / "contract", num_blocks=5)
+        rig.driver.max_steps = 20
+        with pytest.raises(RigPlanError) as info:
+            rig.driver.run(rig.request(5 * 16 + 1))
+    finally:
+        sys.path.remove(str(HERE))
+        closer = getattr(locals().get("rig"), "worker", None)
+        if closer is not None:
+            closer.close()
+    msg = str(info.value)
+    assert re.search(
+        r"the test's plan is wrong, not the connector: request\(s\) \{'req-\d+': "
+        r"6\} \(blocks each needs for its tokens\) waited 20 steps for a KV pool of "
+        r"4 usable blocks", msg), msg

@@ -29,7 +29,7 @@ from tvc.contract.standins import (
     publishes_worker_meta,
 )
 from tvc.contract.worker import JobAckWorker, unwrap_metadata
-from tvc.core.watchdog import deadline, frame_line
+from tvc.core.watchdog import Stuck, deadline, frame_line
 
 #: seconds one engine step (every connector call in it) may take before the
 #: watchdog stops it, when the profile sets no ``connector.call_timeout_s``: far
@@ -136,6 +136,47 @@ def stuck_message(what: str, running: str, seconds: float, frame: Any,
             "a full store must refuse the save (absorb it: a miss later) or evict, "
             "never wait for space that only a later engine step can free; a lookup "
             "or load that cannot finish must answer 0 or report the load failed")
+
+
+def connector_assert(exc: AssertionError) -> str:
+    """Where an assert failed, when it failed in the connector's own code.
+
+    The frame that raised is a method (or helper) of a ``KVConnectorBase_V1``
+    outside this suite (the suite's fault wrapper is one too): the connector's
+    internal check, which must never read like a check of this suite.
+
+    Returns:
+        "the connector's own assert failed in Cls.method (file:line: source):
+        message — ..." or '' (raised elsewhere: a check of this suite, vLLM).
+
+    """
+    import os
+
+    import tvc
+    from tvc.plugin.error_hints import describe_failure
+
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return ""
+    frame = last.tb_frame
+    suite = os.path.dirname(os.path.abspath(tvc.__file__))
+    if os.path.abspath(frame.f_code.co_filename).startswith(suite + os.sep):
+        return ""
+    own = _connector_frame(frame)
+    if own is None:
+        return ""
+    me = own.f_locals.get("self")
+    where = frame_line(frame).split(": ", 1)
+    text = str(exc).strip()
+    return (f"the connector's own assert failed in {type(me).__name__}."
+            f"{own.f_code.co_name} ({where[0]}: {where[-1]})"
+            + (f": {text}" if text else "") + " — an internal check of the "
+            "connector's code, not a check of this suite: the connector met a "
+            "state it did not expect at that call (see the line); "
+            + (describe_failure(exc) if not text else "")).rstrip("; ")
 
 
 def _connector_frame(frame: Any) -> Any:
@@ -368,9 +409,14 @@ class EngineDriver:
                 mro = self._worker_step(so)
                 self._stage = "update_from_output (scheduler-side connector)"
                 self.scheduler.update_from_output(so, mro)
-        except (AssertionError, WorkerReportMissing, WorkerReportError,
-                NoWorkerHere):
-            raise  # a check's failure, or the rig's own set-up error
+        except AssertionError as exc:
+            own = "" if isinstance(exc, Stuck) else connector_assert(exc)
+            if not own:
+                raise  # a check's failure
+            raise EngineStepError(
+                f"engine step {self.num_steps} ({self._stage}): {own}") from exc
+        except (WorkerReportMissing, WorkerReportError, NoWorkerHere):
+            raise  # the rig's own set-up error
         except Exception as exc:
             where, advice = connector_call(exc)
             raise EngineStepError(
@@ -600,8 +646,13 @@ class EngineDriver:
                     "steps: request_finished returned delay_free_blocks=True but the "
                     "worker never reported the requests in finished_sending (leaked "
                     "blocks)")
-            again = {r: len(self.matched.get(r, ())) for r in left
-                     if len(self.matched.get(r, ())) > 2}
+            too_big = self._beyond_pool()
+            if too_big:
+                raise RigPlanError(too_big)
+            # vLLM asks again for a request it cannot admit: only answers that
+            # matched something say the connector kept matching
+            again = {r: n for r in left
+                     if (n := sum(1 for a in self.matched.get(r, ()) if a[1])) > 2}
             if again:
                 raise AssertionError(
                     f"requests still in the scheduler after {self.max_steps} steps: "
@@ -616,6 +667,35 @@ class EngineDriver:
                 "reported it finished)")
         for _ in range(extra_steps):
             self.step()
+
+    def _beyond_pool(self) -> str:
+        """Why waiting requests can never be admitted: the pool, not the connector.
+
+        vLLM admits a waiting request only when its whole prompt fits the free
+        blocks (``SchedulerConfig.scheduler_reserve_full_isl``, default True in
+        0.28 and 0.33; ``KVCacheManager.allocate_slots(full_sequence_must_fit=...)``).
+        A prompt of more blocks than the pool has never runs, whatever the
+        connector does.
+
+        Returns:
+            a sentence naming the requests, their blocks and the pool's; ''
+            when every waiting request fits an empty pool.
+
+        """
+        mgr = self.scheduler.kv_cache_manager
+        b = self.scheduler.vllm_config.cache_config.block_size
+        usable = mgr.block_pool.num_gpu_blocks - 1  # block 0: vLLM's null block
+        big = {rid: -(-r.num_tokens // b) for rid, r in self.scheduler.requests.items()
+               if r.status.name in ("WAITING", "PREEMPTED")
+               and -(-r.num_tokens // b) > usable}
+        if not big:
+            return ""
+        return (f"the test's plan is wrong, not the connector: request(s) {big} "
+                f"(blocks each needs for its tokens) waited {self.max_steps} steps "
+                f"for a KV pool of {usable} usable blocks: vLLM admits a request "
+                "only when its whole sequence fits the free blocks "
+                "(scheduler_reserve_full_isl), so they never ran. Size the rig's "
+                "pool (num_blocks) for the longest request")
 
     def run(self, *requests: Any) -> None:
         """Add ``requests`` and run to completion."""

@@ -666,14 +666,16 @@ class ConnectorWorker:
         return worst
 
     def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
-        """Which other block of the request's prompt the block of ``pos`` holds.
+        """Whose KV the block of ``pos`` holds: another layer's, another block's.
 
-        A diagnosis for a mismatch: a store entry saved from (or a load into)
-        the wrong block of the request's own table holds another position's
-        KV of the same prompt.
+        A diagnosis for a mismatch: a load into (or a save from) the wrong layer
+        holds the same tokens' KV of another layer; one through the wrong block
+        of the request's own table holds another position's KV of the same
+        prompt.
 
         Returns:
-            "; the block holds the KV of tokens [a, b) of this request" or "".
+            "; the slots hold layer X's KV of these tokens", "; the block holds
+            the KV of tokens [a, b) of this request", or "".
 
         """
         import torch
@@ -685,8 +687,15 @@ class ConnectorWorker:
         if (k + 1) * b > n:
             return ""
         kv = self.kv_caches[name]
-        blocks, offs, _pos, _tok = self._token_slots(req_id, k * b, (k + 1) * b)
+        blocks, offs, pos_k, tok_k = self._token_slots(req_id, k * b, (k + 1) * b)
         got = self.read_slots(name, blocks, offs)
+        for i, other in enumerate(self.names):
+            if i != layer and torch.equal(got, self.pattern(
+                    kv, layer_index(other, i), pos_k, tok_k)):
+                return (f"; the slots hold layer {other}'s KV of these tokens: the "
+                        "connector loaded (or saved) another layer's KV into this "
+                        "one (its layer order or the cross-layer axis read "
+                        "wrongly)")
         for j in range(n // b):
             if j == k:
                 continue

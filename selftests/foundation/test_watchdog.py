@@ -57,3 +57,26 @@ def test_no_bound_watches_nothing() -> None:
     with deadline(0, _describe):
         time.sleep(0.01)
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_run_stopped_inside_a_test_names_that_test(tmp_path) -> None:
+    """An internal error (e.g. a time limit that fired in a hook between two
+    phases) or a signal that stops the run names the test in progress."""
+    from tvc.plugin.report import RunReport
+
+    rep = RunReport(tmp_path / "run", {})
+    a, b = "suites/contract/test_x.py::test_a", "suites/contract/test_x.py::test_b"
+    rep.expect([a, b])
+    rep.pytest_runtest_logstart(a)
+    rep.pytest_internalerror("Traceback (most recent call last):\n  ...\n"
+                             "Failed: Timeout (>10.0s) from pytest-timeout.\n")
+    assert rep.tests[a]["outcome"] == "error", rep.tests[a]
+    assert rep.tests[a]["message"] == (
+        "the run stopped with an internal error while this test ran: Failed: "
+        "Timeout (>10.0s) from pytest-timeout."), rep.tests[a]
+    rep.pytest_runtest_logfinish(a)
+    rep.pytest_runtest_logstart(b)
+    rep.stopped_inside("stopped by SIGTERM")
+    assert rep.tests[b] == {**rep.tests[b], "outcome": "not_run",
+                            "message": "running when the run was stopped by "
+                                       "SIGTERM: it never finished"}

@@ -303,21 +303,24 @@ def raw_hash_message(h: Any, ext: Any, where: str) -> str:
 
 
 def assert_chain(ev: Any, blocks: dict[Any, tuple[tuple[int, ...], Any]],
-                 ever: set[Any], where: str) -> None:
+                 where: str) -> None:
     """A ``BlockStored`` is a piece of vLLM's hash chain, hung on its parent.
 
-    vLLM publishes newly cached blocks in order, each event with the hash of
-    the block before its first (``parent_block_hash``; None only for a
-    request's first block), ``block_pool.py`` ``cache_full_blocks`` 0.28: a
-    consumer builds its prefix tree from them. So: ``parent_block_hash`` is
-    the block before the event's first block in vLLM's chain (None exactly
-    when that block is a first block); each listed block's parent is the one
-    listed before it; a parent was announced before (by an earlier event).
+    vLLM publishes newly cached blocks with the hash of the block before their
+    first (``parent_block_hash``; None only for a request's first block),
+    ``block_pool.py`` ``cache_full_blocks`` 0.28, and so do its connectors'
+    self-describing events (``offloading/events.py``: "Events are
+    self-contained (own parent)"): a consumer builds its prefix tree from
+    them. So: ``parent_block_hash`` is the block before the event's first
+    block in vLLM's chain (None exactly when that block is a first block), and
+    each listed block's parent is the one listed before it. (A placeholder
+    event without tokens and with ``block_size`` 0, which vLLM's offloading
+    emits for consumers to ignore, carries no chain; that the parent is
+    announced somewhere in the run is checked by :func:`check_events`.)
 
     Args:
         ev: the ``BlockStored``.
         blocks: :func:`known_blocks`.
-        ever: hashes announced stored by the events before this one.
         where: side and step, for the message.
 
     Raises:
@@ -349,11 +352,6 @@ def assert_chain(ev: Any, blocks: dict[Any, tuple[tuple[int, ...], Any]],
             f"after {_short(prev)}, but its parent in vLLM's hash chain is "
             f"{_short(blocks[h][1])}: one event's blocks must be consecutive blocks "
             "of one prefix")
-    assert want is None or want in ever, (
-        f"KV cache event BlockStored ({where}) hangs block {_short(first)} on "
-        f"parent {_short(want)}, which no earlier event announced: a consumer "
-        "cannot attach it to any prefix it knows (publish the prefix's blocks "
-        "first)")
 
 
 def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
@@ -365,7 +363,8 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
     ``BlockStored`` names hashes of blocks a request of this run computed (in
     the form vLLM publishes, :func:`raw_hash_message` otherwise); its
     ``token_ids`` (when given) are exactly those blocks' tokens; it is a piece
-    of vLLM's hash chain hung on an announced parent (:func:`assert_chain`);
+    of vLLM's hash chain (:func:`assert_chain`) whose parent some event of the
+    run announced;
     ``block_size`` is B (or 0
     for a placeholder without tokens); a ``BlockRemoved`` names only hashes
     stored before; every block an external hit served (``served``: request id ->
@@ -399,6 +398,7 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
     ever: set[Any] = set()
     removed = n = 0
     announced_at: dict[Any, int] = {}
+    parents: dict[Any, tuple[Any, str]] = {}  # parent -> (first child, where)
     for side, step, events in log.events:
         for ev in events:
             n += 1
@@ -413,7 +413,11 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                         f"{_short(h)}, which no request of this run computed: a "
                         "consumer (KV-aware router) would route to KV that does "
                         f"not exist ({src})")
-                assert_chain(ev, blocks, ever, where)
+                if ev.token_ids or ev.block_size:  # a placeholder has no chain
+                    assert_chain(ev, blocks, where)
+                    if ev.parent_block_hash is not None:
+                        parents.setdefault(ev.parent_block_hash,
+                                           (ev.block_hashes[0], where))
                 toks = tuple(t for h in ev.block_hashes for t in blocks[h][0])
                 if ev.token_ids:
                     assert tuple(ev.token_ids) == toks, (
@@ -441,6 +445,14 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                     f"take_events ({where}) yielded {type(ev).__name__}: vLLM "
                     "publishes only BlockStored / BlockRemoved / AllBlocksCleared "
                     f"in its KVEventBatch ({src})")
+    for parent, (child, where) in parents.items():
+        # in any order (vLLM's own offloading events are self-contained, "so key
+        # order is free"), but announced: else no consumer can attach the child
+        assert parent in ever, (
+            f"KV cache event BlockStored ({where}) hangs block {_short(child)} on "
+            f"parent {_short(parent)}, which no event of the run announced: a "
+            "consumer cannot attach it to any prefix it knows (publish the "
+            "prefix's blocks too)")
     by_id = {r.request_id: r for r in reqs}
     for rid, tokens in served.items():
         r = by_id.get(rid)

@@ -153,7 +153,6 @@ def connector_assert(exc: AssertionError) -> str:
     import os
 
     import tvc
-    from tvc.plugin.error_hints import describe_failure
 
     tb = exc.__traceback__
     last = None
@@ -175,8 +174,7 @@ def connector_assert(exc: AssertionError) -> str:
             f"{own.f_code.co_name} ({where[0]}: {where[-1]})"
             + (f": {text}" if text else "") + " — an internal check of the "
             "connector's code, not a check of this suite: the connector met a "
-            "state it did not expect at that call (see the line); "
-            + (describe_failure(exc) if not text else "")).rstrip("; ")
+            "state it did not expect at that call (see the line)")
 
 
 def _connector_frame(frame: Any) -> Any:

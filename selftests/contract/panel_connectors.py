@@ -255,7 +255,8 @@ class FileChunkConnector(KVConnectorBase_V1):
         self._loads = []
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
-            self._block_ids[nr.req_id] = list(nr.block_ids[0])
+            # new, or resumed and sent as new (Model Runner V2): its whole table
+            self._note_blocks(nr.req_id, list(nr.block_ids[0]), True)
             computed[nr.req_id] = self._computed_after(
                 nr.req_id, nr.num_computed_tokens,
                 scheduler_output.num_scheduled_tokens[nr.req_id])

@@ -91,14 +91,6 @@ class ForeignFileStore(PosixStore):
         return [self.file, Path("/var/tmp/not-scratch/pool.bin")]
 
 
-class ClaimsDirectStore(PosixStore):
-    """Writes through the page cache (buffered) but reports direct_io=True."""
-
-    def __init__(self, path, pool_bytes):
-        super().__init__(path, pool_bytes, direct=False)
-        self.direct_io = True
-
-
 def bad(cls, tmp_path: Path) -> GpuDirectStore:
     return cls(tmp_path / "scratch" / cls.__name__, CAP)
 
@@ -258,6 +250,7 @@ def test_kvikio_path_is_not_gds_without_the_nvidia_fs_driver(monkeypatch):
 
 
 def test_a_store_claiming_direct_io_through_the_page_cache_is_red(tmp_path):
+    from selftests.real_nvme.lying_stores import ClaimsDirectStore
     from tvc.store import bandwidth as bw
 
     store = bad(ClaimsDirectStore, tmp_path)

@@ -887,7 +887,7 @@ class Explorer:
         if w is not None and w.load_errors:
             err = w.load_errors[0]
             invariant, method = blame(err) or ("loaded KV bit-identical", "")
-            ids = self.preempted_prefill_ids
+            ids = self._preempted_sharing(err)
             if "another block of its own table" in err and ids:
                 invariant = "no block table kept across a preemption"
                 method = FREED_INVARIANTS[invariant]
@@ -897,6 +897,22 @@ class Explorer:
                         "the block table of before a preemption saves and loads "
                         f"through blocks the request no longer has. Fix: {RESUME_FIX}")
             self.fail(invariant, f"{len(w.load_errors)} request(s): {err}", method)
+
+    def _preempted_sharing(self, err: str) -> list[str]:
+        """Requests preempted midway whose prompt shares the failing load's tokens.
+
+        The load error names the request and its first bad token; a request
+        preempted in its prefill that computed those tokens too may have saved
+        the entry through a stale block table.
+        """
+        import re
+
+        m = re.search(r"request (\S+): .*?token (\d+) ", err)
+        if not m or m.group(1) not in self.content:
+            return []
+        toks, pos = self.content[m.group(1)], int(m.group(2))
+        return [rid for rid in self.preempted_prefill_ids
+                if self.content.get(rid, [])[:pos + 1] == toks[:pos + 1]]
 
     def _backing(self, rid: str, k: int) -> tuple[int, int]:
         """Longest prefix of ``rid``'s prompt that requests computed before now.

@@ -187,6 +187,34 @@ class MissesOneEventConnector(ReportingExampleConnector):
         return super()._stored_event(req, max(1, nb - 1))
 
 
+class SkipsParentConnector(ReportingExampleConnector):
+    """Fault: announces only the blocks it had not announced yet, the first of
+    them without its parent: a prompt extending a stored one breaks the chain."""
+
+    def _stored_event(self, req: Any, nb: int) -> Any:
+        seen = self.__dict__.setdefault("_announced", set())
+        hashes = [maybe_convert_block_hash(h) for h in req.block_hashes[:nb]]
+        new = [i for i, h in enumerate(hashes) if h not in seen]
+        seen.update(hashes)
+        first = new[0] if new else nb
+        return BlockStored(
+            block_hashes=hashes[first:], parent_block_hash=None,
+            token_ids=list(req.all_token_ids[first * self._block_size:
+                                             nb * self._block_size]),
+            block_size=self._block_size, lora_id=None, medium="CPU",
+            lora_name=None)
+
+
+class RawHashEventConnector(ReportingExampleConnector):
+    """Fault: announces vLLM's raw BlockHash bytes instead of the external hash
+    vLLM publishes (maybe_convert_block_hash)."""
+
+    def _stored_event(self, req: Any, nb: int) -> Any:
+        ev = super()._stored_event(req, nb)
+        ev.block_hashes = [bytes(h) for h in req.block_hashes[:nb]]
+        return ev
+
+
 class ResetNoopConnector(ReportingExampleConnector):
     """Fault: reset_cache says it reset, but keeps every stored entry."""
 

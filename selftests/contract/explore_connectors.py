@@ -392,3 +392,19 @@ def no_transfer_report(vllm_config, kv_cache_config, connector):
     with this stand-in in place of the worker side.
     """
     return lambda scheduler_output, metadata: None
+
+
+class BadFreesBeforeSaveConnector(MemoryConnector):
+    """Fault: ``request_finished`` returns False although the request's save is
+    queued for the next step: vLLM frees the blocks at once, and the save reads
+    them after that."""
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        return False, None
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        _sent, recv = super().get_finished(finished_req_ids)
+        return None, recv  # nothing was delayed, so nothing to report

@@ -255,20 +255,20 @@ class FileChunkConnector(KVConnectorBase_V1):
         self._loads = []
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
-            self._block_ids[nr.req_id] = list(nr.block_ids[0])
-            computed[nr.req_id] = (nr.num_computed_tokens
-                                   + scheduler_output.num_scheduled_tokens[nr.req_id])
+            # new, or resumed and sent as new (Model Runner V2): its whole table
+            self._note_blocks(nr.req_id, list(nr.block_ids[0]), True)
+            computed[nr.req_id] = self._computed_after(
+                nr.req_id, nr.num_computed_tokens,
+                scheduler_output.num_scheduled_tokens[nr.req_id])
         cr = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cr, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cr.req_ids):
             new = cr.new_block_ids[i]
             if new is not None:
-                if rid in resumed:
-                    self._block_ids[rid] = list(new[0])
-                else:
-                    self._block_ids.setdefault(rid, []).extend(new[0])
-            computed[rid] = (cr.num_computed_tokens[i]
-                             + scheduler_output.num_scheduled_tokens[rid])
+                self._note_blocks(rid, list(new[0]), rid in resumed)
+            computed[rid] = self._computed_after(
+                rid, cr.num_computed_tokens[i],
+                scheduler_output.num_scheduled_tokens[rid])
         for rid, done in computed.items():
             req = self._requests.get(rid)
             if req is None:
@@ -282,6 +282,22 @@ class FileChunkConnector(KVConnectorBase_V1):
                                                table[k * per:(k + 1) * per]))
             self._saved_upto[rid] = max(self._saved_upto.get(rid, 0), len(keys))
         return meta
+
+    def _note_blocks(self, rid: str, block_ids: list[int], resumed: bool) -> None:
+        """A running request's new blocks: appended; a resumed one's: its table.
+
+        (``CachedRequestData``: "For request ids not in resumed_req_ids,
+        new_block_ids will be appended ... For those in the set, new_block_ids
+        will be used as the request's block IDs", vllm/v1/core/sched/output.py.)
+        """
+        if resumed:
+            self._block_ids[rid] = block_ids
+        else:
+            self._block_ids.setdefault(rid, []).extend(block_ids)
+
+    def _computed_after(self, rid: str, num_computed: int, scheduled: int) -> int:
+        """Tokens computed once this step ran: vLLM's count plus this step's."""
+        return num_computed + scheduled
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

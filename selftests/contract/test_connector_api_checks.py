@@ -85,6 +85,13 @@ CASES = {
     # an emitter that misses one block is red; one whose events are off skips
     "MissesOneEventConnector": (
         "events and cpu", "was never announced by a BlockStored event"),
+    # a prompt extending a stored one: its first new block needs its parent
+    "SkipsParentConnector": (
+        "events and cpu", "names no parent for block "),
+    # the right block in the wrong form: its own message, not "no request..."
+    "RawHashEventConnector": (
+        "events and cpu", "vLLM's raw BlockHash bytes of a block this run computed, "
+        "but vLLM publishes the converted external hash"),
 }
 
 

@@ -42,6 +42,8 @@ BAD = {
                                             "get_finished"),
     "BadRematchesFailedEntryConnector": ("faults", "every load finishes",
                                          "get_num_new_matched_tokens"),
+    "BadFreesBeforeSaveConnector": ("core", "no use of blocks vLLM freed",
+                                    "request_finished"),
 }
 
 PROFILE = """\

@@ -247,3 +247,32 @@ def test_kvikio_path_is_not_gds_without_the_nvidia_fs_driver(monkeypatch):
     monkeypatch.setattr(st.Path, "exists", lambda self: True)
     path, _ = st.kvikio_io_path(_fake_kvikio(preferred=False, gds=True))
     assert path == "gds"
+
+
+def test_a_store_claiming_direct_io_through_the_page_cache_is_red(tmp_path):
+    from selftests.real_nvme.lying_stores import ClaimsDirectStore
+    from tvc.store import bandwidth as bw
+
+    store = bad(ClaimsDirectStore, tmp_path)
+    try:
+        with pytest.raises(AssertionError, match=(
+                r"the store \(posix\) reports direct_io=True, but after writing "
+                r"8,388,608 bytes through it and sync\(\), \d+ of 2048 pages sat in "
+                r"the page cache \(mincore of \S+pool\.bin\), and \d+ after reading "
+                r"them back from an evicted cache: its I/O goes through the page "
+                r"cache")):
+            sc.check_direct_io_claim(store, seed=6, device=DEV, nbytes=8 << 20)
+        # its bandwidth figures are never labelled "direct"
+        _t, label = bw.measure_store(store, "read", bw.MIB, DEV, total=4 * bw.MIB,
+                                     reps=1)
+        assert label == "cache dropped", label
+    finally:
+        store.destroy()
+
+
+def test_an_o_direct_store_passes_the_direct_io_probe(good):
+    facts = sc.check_direct_io_claim(good, seed=7, device=DEV, nbytes=4 << 20)
+    if not good.direct_io:
+        pytest.skip("this file system refuses O_DIRECT: the reference store says "
+                    "direct_io=False and there is no claim to measure")
+    assert facts["direct"] is True and facts["resident_after_write"] == 0, facts

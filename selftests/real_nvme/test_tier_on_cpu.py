@@ -36,6 +36,7 @@ def test_tier_bodies_pass_with_the_reference_store(cpu_tier):
     store, spec, rec, props = cpu_tier
     tier.test_store_pool_lies_inside_the_scratch_area(store, spec, rec)
     tier.test_full_pool_written_from_gpu_reads_back_bit_exactly(store, rec)
+    tier.test_store_direct_io_claim_holds(store, rec)
     for off, n in tier.CASES:
         tier.test_ranges_on_and_off_4k_boundaries_roundtrip(store, off, n)
     tier.test_concurrent_writers_on_disjoint_ranges_keep_their_data(store)
@@ -43,6 +44,8 @@ def test_tier_bodies_pass_with_the_reference_store(cpu_tier):
     tier.test_data_written_by_one_process_is_read_by_another(store, spec, rec)
     tier.test_store_removes_its_pool_when_destroyed(spec)
     assert props["io_path"] == "posix" and props["pool_read_gbps"] > 0
+    # the reference opens the pool with O_DIRECT where the file system allows
+    assert props["direct_io_measured"] is props["direct_io_claimed"], props
     assert not Path(f"{spec.path}-cleanup").exists()
 
 

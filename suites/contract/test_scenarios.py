@@ -121,6 +121,22 @@ def test_chunked_prefill_stores_the_whole_prompt(make_rig, contract_profile,
     assert out["prefill_steps"] >= 2, out  # the prompt was prefilled over steps
 
 
+def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
+                                               record_property) -> None:
+    out = S.run_scenario(S.resumed_prefill, make_rig, contract_profile,
+                         record_property=record_property)
+    # preempted mid-prefill, then again; resumed on other blocks; replay hit
+    assert len(out["preempted_after"]) >= 2 and out["matched"] > 0, out
+
+
+def test_writes_no_more_than_vllm_asked_to_store(make_rig, contract_profile,
+                                                 record_property) -> None:
+    out = S.run_scenario(S.write_volume, make_rig, contract_profile,
+                         lambda rig: _fault_injector(contract_profile, rig),
+                         record_property=record_property)
+    assert out["requests"][-1]["bytes"] > 0, out  # it stored something
+
+
 def _fault_injector(profile, rig):
     """Return ``tvc.contract.faults.fault_injector_for(profile, rig)``.
 

@@ -52,6 +52,14 @@ def test_full_pool_written_from_gpu_reads_back_bit_exactly(gpu_store,
     record_property("io_path", gpu_store.io_path)
 
 
+def test_store_direct_io_claim_holds(gpu_store, record_property) -> None:
+    # a store that says it bypasses the page cache leaves no page of what it
+    # wrote or read there (mincore): the claim is measured, not trusted
+    facts = sc.check_direct_io_claim(gpu_store, seed=13, device=DEVICE)
+    record_property("direct_io_claimed", facts["claimed"])
+    record_property("direct_io_measured", facts["direct"])
+
+
 CASES = [  # (offset, nbytes); a negative offset counts from the pool's end
     (0, 4 * KIB), (4 * KIB, 1 * MIB), (1, 4 * KIB - 1), (4 * KIB - 1, 4 * KIB + 1),
     (12345, MIB + 3), (3 * MIB + 512, 64 * MIB), (7, 1), (64 * KIB, 256 * KIB + 1),

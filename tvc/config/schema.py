@@ -189,6 +189,16 @@ class ConnectorSection(Section):
         False, description="the scheduler side asks the worker side for every "
         "lookup (it would wait without one): the contract tier refuses a rig "
         "without the real worker before its first lookup")
+    stores_decode: bool = Field(False, description="the connector stores the "
+                                "output's blocks too, not only the prompt's (the "
+                                "contract tier's write-volume bound counts them)")
+    call_timeout_s: float = bounded(
+        120.0, 3600.0, "seconds in an hour", "seconds one engine step of the "
+        "contract tier (every connector call in it) may take before the watchdog "
+        "stops it and fails the test naming the call", least=1)
+    test_timeout_s: float = bounded(
+        1800.0, 86_400.0, _DAY, "seconds one contract test may take "
+        "(pytest-timeout, signal method) unless --timeout is given", least=10)
 
     @staticmethod
     def _variables(info: ValidationInfo) -> dict[str, int | float]:

@@ -270,15 +270,102 @@ def known_blocks(requests: Iterable[Any], block_size: int
     return out
 
 
+def raw_block_hashes(requests: Iterable[Any]) -> dict[Any, Any]:
+    """Raw ``BlockHash`` (vLLM's) of every block the requests hashed -> external.
+
+    Where vLLM publishes another form (``maybe_convert_block_hash``: the low 64
+    bits as an int while ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its default),
+    a connector's event that carries the raw bytes names the right block in the
+    wrong form.
+    """
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out: dict[Any, Any] = {}
+    for r in requests:
+        for h in r.block_hashes:
+            ext = maybe_convert_block_hash(h)
+            if ext != h:
+                out[bytes(h)] = ext
+    return out
+
+
+def raw_hash_message(h: Any, ext: Any, where: str) -> str:
+    """The red for an event hash in vLLM's raw ``BlockHash`` form."""
+    return (f"KV cache event BlockStored ({where}) names block hash {_short(h)}: "
+            "vLLM's raw BlockHash bytes of a block this run computed, but vLLM "
+            f"publishes the converted external hash ({ext!r}: "
+            "vllm.v1.core.kv_cache_utils.maybe_convert_block_hash, the low 64 bits "
+            "as an int while VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, vLLM's default; "
+            "block_pool.py BlockStored): a consumer that matches vLLM's own events "
+            "(a KV-aware router) never finds the connector's blocks. Publish "
+            "maybe_convert_block_hash(block_hash) in block_hashes and "
+            "parent_block_hash")
+
+
+def assert_chain(ev: Any, blocks: dict[Any, tuple[tuple[int, ...], Any]],
+                 where: str) -> None:
+    """A ``BlockStored`` is a piece of vLLM's hash chain, hung on its parent.
+
+    vLLM publishes newly cached blocks with the hash of the block before their
+    first (``parent_block_hash``; None only for a request's first block),
+    ``block_pool.py`` ``cache_full_blocks`` 0.28, and so do its connectors'
+    self-describing events (``offloading/events.py``: "Events are
+    self-contained (own parent)"): a consumer builds its prefix tree from
+    them. So: ``parent_block_hash`` is the block before the event's first
+    block in vLLM's chain (None exactly when that block is a first block), and
+    each listed block's parent is the one listed before it. (A placeholder
+    event without tokens and with ``block_size`` 0, which vLLM's offloading
+    emits for consumers to ignore, carries no chain; that the parent is
+    announced somewhere in the run is checked by :func:`check_events`.)
+
+    Args:
+        ev: the ``BlockStored``.
+        blocks: :func:`known_blocks`.
+        where: side and step, for the message.
+
+    Raises:
+        AssertionError: names the block, the parent seen and vLLM's.
+
+    """
+    if not ev.block_hashes:
+        return
+    first = ev.block_hashes[0]
+    want = blocks[first][1]
+    got = ev.parent_block_hash
+    if got != want:
+        if got is None:
+            raise AssertionError(
+                f"KV cache event BlockStored ({where}) names no parent for block "
+                f"{_short(first)}, whose parent in vLLM's hash chain is "
+                f"{_short(want)} (the block before it): the chain breaks there, and "
+                "a consumer cannot hang the block on its prefix (it reads it as a "
+                "request's first block). A connector that stores a prompt extending "
+                "one it stored before must publish the first new block with "
+                "parent_block_hash = the hash of the block before it")
+        raise AssertionError(
+            f"KV cache event BlockStored ({where}) names parent {_short(got)} for "
+            f"block {_short(first)}; the block before it in vLLM's hash chain is "
+            f"{_short(want)}")
+    for prev, h in zip(ev.block_hashes, ev.block_hashes[1:], strict=False):
+        assert blocks[h][1] == prev, (
+            f"KV cache event BlockStored ({where}) lists block {_short(h)} right "
+            f"after {_short(prev)}, but its parent in vLLM's hash chain is "
+            f"{_short(blocks[h][1])}: one event's blocks must be consecutive blocks "
+            "of one prefix")
+
+
 def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                  served: dict[str, int]) -> dict[str, int]:
     """KV cache events name only blocks this run stored, and every block served.
 
     Rules (``vllm/distributed/kv_events.py``: ``BlockStored``,
     ``BlockRemoved``, ``AllBlocksCleared``): every event is one of those; a
-    ``BlockStored`` names hashes of blocks a request of this run computed; its
-    ``token_ids`` (when given) are exactly those blocks' tokens and its
-    ``parent_block_hash`` the block before the first; ``block_size`` is B (or 0
+    ``BlockStored`` names hashes of blocks a request of this run computed (in
+    the form vLLM publishes, :func:`raw_hash_message` otherwise); its
+    ``token_ids`` (when given) are exactly those blocks' tokens; it is a piece
+    of vLLM's hash chain (:func:`assert_chain`) whose parent some event of the
+    run announced;
+    ``block_size`` is B (or 0
     for a placeholder without tokens); a ``BlockRemoved`` names only hashes
     stored before; every block an external hit served (``served``: request id ->
     matched tokens) was announced stored before and not removed since.
@@ -305,22 +392,32 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
 
     reqs = list(requests)
     blocks = known_blocks(reqs, block_size)
+    raw = raw_block_hashes(reqs)
     src = _where("take_events")
     live: set[Any] = set()
     ever: set[Any] = set()
     removed = n = 0
     announced_at: dict[Any, int] = {}
+    parents: dict[Any, tuple[Any, str]] = {}  # parent -> (first child, where)
     for side, step, events in log.events:
         for ev in events:
             n += 1
             where = f"{side} side, step {step}"
             if isinstance(ev, BlockStored):
+                for h in [*ev.block_hashes, ev.parent_block_hash]:
+                    if h is not None and h not in blocks and h in raw:
+                        raise AssertionError(raw_hash_message(h, raw[h], where))
                 for h in ev.block_hashes:
                     assert h in blocks, (
                         f"KV cache event BlockStored ({where}) names block hash "
                         f"{_short(h)}, which no request of this run computed: a "
                         "consumer (KV-aware router) would route to KV that does "
                         f"not exist ({src})")
+                if ev.token_ids or ev.block_size:  # a placeholder has no chain
+                    assert_chain(ev, blocks, where)
+                    if ev.parent_block_hash is not None:
+                        parents.setdefault(ev.parent_block_hash,
+                                           (ev.block_hashes[0], where))
                 toks = tuple(t for h in ev.block_hashes for t in blocks[h][0])
                 if ev.token_ids:
                     assert tuple(ev.token_ids) == toks, (
@@ -330,12 +427,6 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                     assert ev.block_size == block_size, (
                         f"BlockStored ({where}) says block_size {ev.block_size}, "
                         f"the engine's is {block_size}")
-                if ev.parent_block_hash is not None and ev.block_hashes:
-                    want = blocks[ev.block_hashes[0]][1]
-                    assert ev.parent_block_hash == want, (
-                        f"BlockStored ({where}) names parent "
-                        f"{_short(ev.parent_block_hash)}, the block before "
-                        f"{_short(ev.block_hashes[0])} is {_short(want)}")
                 for h in ev.block_hashes:
                     live.add(h)
                     ever.add(h)
@@ -354,6 +445,14 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                     f"take_events ({where}) yielded {type(ev).__name__}: vLLM "
                     "publishes only BlockStored / BlockRemoved / AllBlocksCleared "
                     f"in its KVEventBatch ({src})")
+    for parent, (child, where) in parents.items():
+        # in any order (vLLM's own offloading events are self-contained, "so key
+        # order is free"), but announced: else no consumer can attach the child
+        assert parent in ever, (
+            f"KV cache event BlockStored ({where}) hangs block {_short(child)} on "
+            f"parent {_short(parent)}, which no event of the run announced: a "
+            "consumer cannot attach it to any prefix it knows (publish the "
+            "prefix's blocks too)")
     by_id = {r.request_id: r for r in reqs}
     for rid, tokens in served.items():
         r = by_id.get(rid)

@@ -895,6 +895,9 @@ class CoverageLog:
         step: the engine step now running (set by the driver).
         loading: whether a request with an external hit is pending this step.
         preempted: whether this step's scheduler output preempted a request.
+        calls: the connector calls running now, outermost first, as
+            ``(side, Class.method, requests)`` (what the driver's watchdog
+            names when a call never returns).
         hma: the connector is a ``SupportsHMA`` (vLLM then calls
             ``request_finished_all_groups``, never ``request_finished``).
 
@@ -909,6 +912,7 @@ class CoverageLog:
     loading: bool = False
     preempted: bool = False
     hma: bool = False
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def hit(self, key: str, note: str = "") -> None:
         """Record ``key`` as exercised (``note``: what input, kept for 3 calls)."""
@@ -976,8 +980,15 @@ class CoverageLog:
         judge = MEANINGFUL.get(name)
         log = self
 
+        bound_to = getattr(orig, "__self__", None)
+        owner = type(bound_to).__name__ if bound_to is not None else "connector"
+
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            ret = orig(*args, **kwargs)
+            log.calls.append((side, f"{owner}.{name}", _requests_of(args)))
+            try:
+                ret = orig(*args, **kwargs)
+            finally:
+                log.calls.pop()
             if name == "take_events":
                 ret = list(ret or ())
                 log.events.append((side, log.step, ret))
@@ -1007,6 +1018,13 @@ class CoverageLog:
 
         recorded.__wrapped__ = orig  # type: ignore[attr-defined]
         return recorded
+
+    def running_call(self) -> str:
+        """The innermost connector call running now, in words ('' if none)."""
+        if not self.calls:
+            return ""
+        side, method, reqs = self.calls[-1]
+        return f"{method} ({side} side{', ' + reqs if reqs else ''})"
 
     def note_construction(self, scheduler: Any) -> None:
         """Record the connector members vLLM's ``Scheduler.__init__`` uses.
@@ -1308,3 +1326,26 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+def _requests_of(args: tuple[Any, ...]) -> str:
+    """The request(s) a connector call is about, from its arguments ('' if none).
+
+    A ``Request`` (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+    ``request_finished``), a set of request ids (``get_finished``), or a
+    ``SchedulerOutput`` (``build_connector_meta``: the requests it schedules).
+    """
+    if not args:
+        return ""
+    a = args[0]
+    rid = getattr(a, "request_id", None)
+    if isinstance(rid, str):
+        return f"request {rid}"
+    sched = getattr(a, "num_scheduled_tokens", None)
+    if isinstance(sched, dict):
+        ids = sorted(sched)
+        return f"scheduling {', '.join(ids[:6])}" if ids else "nothing scheduled"
+    if isinstance(a, set | frozenset) and all(isinstance(x, str) for x in a):
+        return f"finished {', '.join(sorted(a)[:6])}" if a else ""
+    return ""
+

@@ -29,6 +29,12 @@ from tvc.contract.standins import (
     publishes_worker_meta,
 )
 from tvc.contract.worker import JobAckWorker, unwrap_metadata
+from tvc.core.watchdog import Stuck, deadline, frame_line
+
+#: seconds one engine step (every connector call in it) may take before the
+#: watchdog stops it, when the profile sets no ``connector.call_timeout_s``: far
+#: above a CPU rig's steps (milliseconds) and a first CUDA call's set-up
+DEFAULT_CALL_TIMEOUT_S = 120.0
 
 
 # ---------------------------------------------------------------------------- driver
@@ -96,6 +102,100 @@ def connector_call(exc: BaseException) -> tuple[str, str]:
                     f"vLLM could not use what {method} returned: check it against "
                     f"KVConnectorBase_V1.{method}'s documented return type")
     return "", LOAD_SAVE_ADVICE
+
+
+def stuck_message(what: str, running: str, seconds: float, frame: Any,
+                  outer: bool) -> str:
+    """The failure of a connector call (or engine step) that never returned.
+
+    Args:
+        what: the block that was bounded (``engine step 5 (schedule ...)``).
+        running: the connector call running then (``Cls.method (scheduler
+            side, request req-3)``), or ''.
+        seconds: the bound that ran out.
+        frame: the frame that was running (where the call was stopped).
+        outer: the test's own time limit (pytest-timeout) ran out first.
+
+    Returns:
+        one paragraph: what, which call, where it was stopped, why it must
+        return and the bound's profile key.
+
+    """
+    limit = (f"the test's time limit (pytest-timeout, connector.test_timeout_s) "
+             f"ran out {seconds:g} s into it" if outer else
+             f"did not finish within {seconds:g} s (connector.call_timeout_s)")
+    call = (f"{running} never returned" if running else
+            "no connector call was running (vLLM's own code or the harness)")
+    own = _connector_frame(frame)
+    at = frame_line(own or frame)
+    if own is not None and own is not frame:
+        at += f" (inside {frame_line(frame)})"
+    return (f"{what} {limit}: {call}; stopped at {at or 'an unknown place'}. vLLM "
+            "calls every connector method on the engine core's one thread "
+            "(EngineCore.step), so a call that loops or waits stops every request: "
+            "a full store must refuse the save (absorb it: a miss later) or evict, "
+            "never wait for space that only a later engine step can free; a lookup "
+            "or load that cannot finish must answer 0 or report the load failed")
+
+
+def connector_assert(exc: AssertionError) -> str:
+    """Where an assert failed, when it failed in the connector's own code.
+
+    The frame that raised is a method (or helper) of a ``KVConnectorBase_V1``
+    outside this suite (the suite's fault wrapper is one too): the connector's
+    internal check, which must never read like a check of this suite.
+
+    Returns:
+        "the connector's own assert failed in Cls.method (file:line: source):
+        message — ..." or '' (raised elsewhere: a check of this suite, vLLM).
+
+    """
+    import os
+
+    import tvc
+
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return ""
+    frame = last.tb_frame
+    suite = os.path.dirname(os.path.abspath(tvc.__file__))
+    if os.path.abspath(frame.f_code.co_filename).startswith(suite + os.sep):
+        return ""
+    own = _connector_frame(frame)
+    if own is None:
+        return ""
+    me = own.f_locals.get("self")
+    where = frame_line(frame).split(": ", 1)
+    text = str(exc).strip()
+    return (f"the connector's own assert failed in {type(me).__name__}."
+            f"{own.f_code.co_name} ({where[0]}: {where[-1]})"
+            + (f": {text}" if text else "") + " — an internal check of the "
+            "connector's code, not a check of this suite: the connector met a "
+            "state it did not expect at that call (see the line)")
+
+
+def _connector_frame(frame: Any) -> Any:
+    """The innermost frame running the connector's own code (None: none).
+
+    A frame whose ``self`` is a ``KVConnectorBase_V1`` (its method or helper),
+    walking out from ``frame``: where a loop in the connector was stopped, even
+    inside a library call it makes.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+        )
+    except ImportError:
+        return None
+    f = frame
+    while f is not None:
+        if isinstance(f.f_locals.get("self"), KVConnectorBase_V1):
+            return f
+        f = f.f_back
+    return None
 
 
 class RigPlanError(RuntimeError):
@@ -208,6 +308,12 @@ class EngineDriver:
             the worker side returned, in step order (what ``update_from_output``
             handed the scheduler's ``update_connector_output``).
 
+    A step that runs longer than :attr:`call_timeout_s` (the profile's
+    ``connector.call_timeout_s``) is stopped by a watchdog
+    (:func:`tvc.core.watchdog.deadline`): :class:`~tvc.core.watchdog.Stuck`
+    names the step, the stage, the connector call running and the line it was
+    stopped at.
+
     An exception other than ``AssertionError`` raised inside a step is re-raised
     as :class:`EngineStepError` naming the step and the stage (schedule, worker,
     update_from_output): a connector reports failures through vLLM's
@@ -245,7 +351,11 @@ class EngineDriver:
     coverage: CoverageLog = field(default_factory=CoverageLog)
     added: list[Any] = field(default_factory=list)
     scheduler_only: bool = False
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    async_loads_started: int = 0
     _acked: set[str] = field(default_factory=set)
+    _async_poisoned: set[tuple[str, int]] = field(default_factory=set)
+    _stage: str = ""
 
     def __post_init__(self) -> None:
         self.coverage.attach(self.connector, "scheduler")
@@ -288,31 +398,71 @@ class EngineDriver:
         """
         self.num_steps += 1
         self.coverage.step = self.num_steps
-        stage = "schedule (scheduler-side connector)"
+        self._stage = "schedule (scheduler-side connector)"
         try:
-            so = self.scheduler.schedule()
-            self.coverage.loading = self._load_pending()
-            self.coverage.preempted = bool(getattr(so, "preempted_req_ids", None))
-            stage = "between lookup and load (scenario hook)"
-            if self.before_worker is not None:
-                self.before_worker(so)
-            stage = "worker step (worker-side connector)"
-            mro = self._worker_step(so)
-            stage = "update_from_output (scheduler-side connector)"
-            self.scheduler.update_from_output(so, mro)
-        except (AssertionError, WorkerReportMissing, WorkerReportError,
-                NoWorkerHere):
-            raise  # a check's failure, or the rig's own set-up error
+            with deadline(self.call_timeout_s, self._stuck):
+                so = self.scheduler.schedule()
+                self.coverage.loading = self._load_pending()
+                self.coverage.preempted = bool(getattr(so, "preempted_req_ids",
+                                                       None))
+                self._poison_async_loads()
+                self._stage = "between lookup and load (scenario hook)"
+                if self.before_worker is not None:
+                    self.before_worker(so)
+                self._stage = "worker step (worker-side connector)"
+                mro = self._worker_step(so)
+                self._stage = "update_from_output (scheduler-side connector)"
+                self.scheduler.update_from_output(so, mro)
+        except AssertionError as exc:
+            own = "" if isinstance(exc, Stuck) else connector_assert(exc)
+            if not own:
+                raise  # a check's failure
+            raise EngineStepError(
+                f"engine step {self.num_steps} ({self._stage}): {own}") from exc
+        except (WorkerReportMissing, WorkerReportError, NoWorkerHere):
+            raise  # the rig's own set-up error
         except Exception as exc:
             where, advice = connector_call(exc)
             raise EngineStepError(
-                f"engine step {self.num_steps} ({stage}) raised "
+                f"engine step {self.num_steps} ({self._stage}) raised "
                 f"{type(exc).__name__}: {exc}{where} — an exception escaped the "
                 f"engine step. {advice}") from exc
         self.history.append(StepRecord(dict(so.num_scheduled_tokens),
                                        type(so.kv_connector_metadata).__name__,
                                        sorted(so.finished_req_ids)))
         return so
+
+    def _stuck(self, seconds: float, frame: Any, outer: bool) -> str:
+        """The watchdog's message for this step (see :func:`stuck_message`)."""
+        return stuck_message(f"engine step {self.num_steps} ({self._stage})",
+                             self.coverage.running_call(), seconds, frame, outer)
+
+    def _poison_async_loads(self) -> None:
+        """Poison the slots an asynchronous load must fill, when it starts.
+
+        (Synchronous loads are poisoned by the worker itself, before the step
+        that loads them, :meth:`ConnectorWorker.expect_loads`.) A request that
+        waits for remote KV (``WAITING_FOR_REMOTE_KVS``) after a non-zero
+        answer gets :data:`~tvc.contract.worker.POISON` in the token slots
+        ``[local, local + matched)`` of the blocks vLLM allocated it, once per
+        admission (again after a preemption): a slot the load never writes can
+        then never hold the stored pattern, or a harness mark, by chance.
+        """
+        w = self.worker
+        if not hasattr(w, "poison_blocks"):
+            return
+        for rid, r in self.scheduler.requests.items():
+            if r.status.name != "WAITING_FOR_REMOTE_KVS":
+                continue
+            key = (rid, r.num_preemptions)
+            answers = [a for a in self.matched.get(rid, ()) if a[1]]
+            if key in self._async_poisoned or not answers:
+                continue
+            self._async_poisoned.add(key)
+            self.async_loads_started += 1
+            local, n, _ = answers[-1]
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            w.poison_blocks(ids, local, local + int(n or 0))
 
     def _load_pending(self) -> bool:
         """Whether a request with an external hit has not computed yet (a load)."""
@@ -505,8 +655,13 @@ class EngineDriver:
                     "steps: request_finished returned delay_free_blocks=True but the "
                     "worker never reported the requests in finished_sending (leaked "
                     "blocks)")
-            again = {r: len(self.matched.get(r, ())) for r in left
-                     if len(self.matched.get(r, ())) > 2}
+            too_big = self._beyond_pool()
+            if too_big:
+                raise RigPlanError(too_big)
+            # vLLM asks again for a request it cannot admit: only answers that
+            # matched something say the connector kept matching
+            again = {r: n for r in left
+                     if (n := sum(1 for a in self.matched.get(r, ()) if a[1])) > 2}
             if again:
                 raise AssertionError(
                     f"requests still in the scheduler after {self.max_steps} steps: "
@@ -521,6 +676,35 @@ class EngineDriver:
                 "reported it finished)")
         for _ in range(extra_steps):
             self.step()
+
+    def _beyond_pool(self) -> str:
+        """Why waiting requests can never be admitted: the pool, not the connector.
+
+        vLLM admits a waiting request only when its whole prompt fits the free
+        blocks (``SchedulerConfig.scheduler_reserve_full_isl``, default True in
+        0.28 and 0.33; ``KVCacheManager.allocate_slots(full_sequence_must_fit=...)``).
+        A prompt of more blocks than the pool has never runs, whatever the
+        connector does.
+
+        Returns:
+            a sentence naming the requests, their blocks and the pool's; ''
+            when every waiting request fits an empty pool.
+
+        """
+        mgr = self.scheduler.kv_cache_manager
+        b = self.scheduler.vllm_config.cache_config.block_size
+        usable = mgr.block_pool.num_gpu_blocks - 1  # block 0: vLLM's null block
+        big = {rid: -(-r.num_tokens // b) for rid, r in self.scheduler.requests.items()
+               if r.status.name in ("WAITING", "PREEMPTED")
+               and -(-r.num_tokens // b) > usable}
+        if not big:
+            return ""
+        return (f"the test's plan is wrong, not the connector: request(s) {big} "
+                f"(blocks each needs for its tokens) waited {self.max_steps} steps "
+                f"for a KV pool of {usable} usable blocks: vLLM admits a request "
+                "only when its whole sequence fits the free blocks "
+                "(scheduler_reserve_full_isl), so they never ran. Size the rig's "
+                "pool (num_blocks) for the longest request")
 
     def run(self, *requests: Any) -> None:
         """Add ``requests`` and run to completion."""

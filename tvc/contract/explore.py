@@ -57,13 +57,19 @@ from tvc.config.depth import DEFAULT as DEFAULT_DEPTH
 from tvc.config.depth import DEPTHS
 from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
+from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
+from tvc.contract.freed import RESUME_FIX, blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
-from tvc.contract.worker import POISON, ConnectorWorker, set_token_slots, slots_for
+from tvc.contract.worker import ConnectorWorker
+from tvc.core.watchdog import Stuck
 
 BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
 MAX_CHUNKS = 3  # longest prompt: MAX_CHUNKS chunks + a tail of up to B + 1 tokens
 MAX_DECODE = 24  # output tokens at most (a few blocks of decode for preemption)
 MAX_SEQS = 8  # max_num_seqs of the rig
+# max_num_batched_tokens of the preemption family: 2 B + 8 (B + 8 mod B), so
+# chunked prefills end off block boundaries (the scenarios' resumed prefill)
+PREFILL_BUDGET = 2 * BLOCK_SIZE + 8
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
@@ -97,6 +103,9 @@ INVARIANTS = {
     "no block or request leaks": (
         "request_finished / get_finished (finished_sending)"),
     "no exception escapes an engine step": "(named in the message)",
+    "every connector call returns": "(named in the message: the call that never "
+                                    "returned)",
+    **FREED_INVARIANTS,
 }
 
 
@@ -106,7 +115,10 @@ class Family:
 
     Attributes:
         name: test id.
-        preemption: a KV pool too small for the batch (vLLM preempts).
+        preemption: a KV pool too small for the batch (vLLM preempts), and
+            a step budget of :data:`PREFILL_BUDGET` tokens, so prompts are
+            prefilled in chunks that end off block boundaries and preempted
+            midway.
         tenants: requests carry ``cache_salt`` / a LoRA adapter.
         faults: store and load faults.
         one_token: prompts of a single token too (the others start at 2).
@@ -197,6 +209,10 @@ class Stats:
     twins: int = 0
     tenant_requests: int = 0
     preemptions: int = 0
+    #: preemptions of a request that had not computed its whole prompt yet
+    preempted_prefills: int = 0
+    #: requests preempted more than once
+    preempted_again: int = 0
     resets: int = 0
     restarts: int = 0
     aborts: dict[str, int] = field(default_factory=dict)
@@ -320,6 +336,8 @@ class Explorer:
         self.tenant: dict[str, str | None] = {}
         self.content: dict[str, list[int]] = {}
         self.max_computed: dict[str, int] = {}
+        self.last_computed: dict[str, int] = {}  # at the last step's end
+        self.preempted_prefill_ids: list[str] = []
         self.answers_seen: dict[str, int] = {}
         self.first_checked: set[str] = set()
         self.reported: set[str] = set()
@@ -330,7 +348,7 @@ class Explorer:
         self.resume_wait: dict[str, int] = {}
         #: consecutive steps that scheduled nothing while such a request waited
         self.idle_steps = 0
-        self.poisoned: set[tuple[str, int]] = set()
+        self._async_seen = 0
         self.armed: list[tuple[str, str]] = []
         self.delay_left = 0
         self.delay_total = 0
@@ -348,9 +366,12 @@ class Explorer:
     def _build(self) -> None:
         kw: dict[str, Any] = dict(block_size=BLOCK_SIZE, num_blocks=self.num_blocks,
                                   max_num_seqs=MAX_SEQS)
+        if self.family.preemption:
+            kw["max_num_batched_tokens"] = PREFILL_BUDGET
         if self.ktc is not None:
             kw["kv_transfer_config"] = self.ktc
         self.rig = self.make_rig(**kw)
+        self._async_seen = 0
         self._note_standin()
         _hold_distributed()
         if self.worker is not None:
@@ -491,6 +512,32 @@ class Explorer:
         self.stats.twins += int(twin)
         self.stats.tenant_requests += len(ids) if tenant else 0
         return ids
+
+    def crowd(self, replay_of: int | None = None) -> list[str]:
+        """Two decoding requests ahead of the longest prefill, in a full pool.
+
+        Two prompts of ``B - 1`` tokens (one block each, :data:`MAX_DECODE`
+        output tokens) prefill in one step; then the longest prompt
+        (:data:`MAX_CHUNKS` chunks and ``B + 1`` tokens; or an earlier prompt
+        again, ``replay_of``) comes behind them. In the ``preemption``
+        family's pool (the longest request and 3 blocks) the decoders' second
+        blocks, one step later, leave it too few for its next chunk: vLLM
+        preempts it midway through its prefill (the last running request,
+        ``Scheduler.schedule``) and resumes it later on other blocks.
+
+        Returns:
+            the request ids added (the decoders, then the long one).
+
+        """
+        self.log.append(f"ex.crowd(replay_of={replay_of})")
+        ids = [i for _ in range(2) for i in self._add(0, BLOCK_SIZE - 1, None, None,
+                                                      False, None, MAX_DECODE,
+                                                      None)]
+        self._step()
+        if replay_of is not None and self.prompts:
+            return ids + self._add(0, 1, None, None, False, None, 8, replay_of)
+        return ids + self._add(MAX_CHUNKS, BLOCK_SIZE + 1, None, None, False, None,
+                               8, None)
 
     def warm(self, prompts: list[tuple[int, int]], tenant: str | None = None
              ) -> None:
@@ -748,43 +795,12 @@ class Explorer:
     def _between_lookup_and_load(self, so: Any) -> None:
         """Driver hook after ``schedule()``: poison async loads' slots, fire faults."""
         self._so_new = list(so.scheduled_new_reqs)
-        self._poison_async_loads()
+        d = self.rig.driver
+        self.stats.async_loads += d.async_loads_started - self._async_seen
+        self._async_seen = d.async_loads_started
         if self.family.faults:
             self._wrap_worker_for_delay()
             self._fire(in_step=True)
-
-    def _poison_async_loads(self) -> None:
-        """Fill the slots an asynchronous load must write with :data:`POISON`.
-
-        (Synchronous loads are poisoned by :class:`ConnectorWorker` itself.)
-        """
-        w = self.worker
-        if w is None:
-            return
-        sched, d = self.rig.scheduler, self.rig.driver
-        for rid, r in sched.requests.items():
-            if r.status.name != "WAITING_FOR_REMOTE_KVS":
-                continue
-            key = (rid, r.num_preemptions)
-            answers = [a for a in d.matched.get(rid, ()) if a[1]]
-            if key in self.poisoned or not answers:
-                continue
-            self.poisoned.add(key)
-            self.stats.async_loads += 1
-            local, n, _ = answers[-1]
-            ids = sched.kv_cache_manager.get_block_ids(rid)[0]
-            end = min(local + int(n), len(ids) * BLOCK_SIZE)
-            if end <= local:
-                continue
-            blocks, offs, _ = slots_for(ids, local, end, BLOCK_SIZE)
-            import torch
-
-            for kv in w.kv_caches.values():
-                b, o = blocks.to(kv.device), offs.to(kv.device)
-                from tvc.contract.worker import token_view
-
-                set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o),
-                                                          POISON))
 
     def _script(self) -> str:
         return "\n".join(["from tvc.contract.explore import replay_explorer",
@@ -808,6 +824,12 @@ class Explorer:
     def _step(self) -> None:
         try:
             self.rig.driver.step()
+        except Stuck as exc:
+            import re
+
+            call = re.search(r": (\S+) \(\w+ side[^)]*\) never returned", str(exc))
+            self.fail("every connector call returns", str(exc),
+                      call.group(1) if call else "")
         except EngineStepError as exc:
             msg = str(exc)
             where = msg.split(" inside ", 1)[1].split(" (", 1)[0] if (
@@ -882,13 +904,48 @@ class Explorer:
             if r.num_preemptions and r.num_preemptions > (
                     self.max_computed.get(("p", rid), 0)):  # type: ignore[arg-type,call-overload]
                 self.stats.preemptions += 1
+                if self.last_computed.get(rid, 0) < r.num_prompt_tokens:
+                    self.stats.preempted_prefills += 1
+                    self.preempted_prefill_ids.append(rid)
+                if r.num_preemptions == 2:
+                    self.stats.preempted_again += 1
                 self.max_computed[("p", rid)] = r.num_preemptions  # type: ignore
+            self.last_computed[rid] = r.num_computed_tokens
 
     def _check_loads(self) -> None:
         w = self.worker
+        if w is not None and w.freed_uses:
+            self.fail("no write into a free block",
+                      f"{len(w.freed_uses)} block(s): {w.freed_uses[0]}")
         if w is not None and w.load_errors:
-            self.fail("loaded KV bit-identical",
-                      f"{len(w.load_errors)} request(s): {w.load_errors[0]}")
+            err = w.load_errors[0]
+            invariant, method = blame(err) or ("loaded KV bit-identical", "")
+            ids = self._preempted_sharing(err)
+            if "another block of its own table" in err and ids:
+                invariant = "no block table kept across a preemption"
+                method = FREED_INVARIANTS[invariant]
+                err += (f"; request(s) {', '.join(ids[:4])} of this sequence were "
+                        "preempted midway through their prefill and resumed on "
+                        "other block ids: a connector that keeps (or appends to) "
+                        "the block table of before a preemption saves and loads "
+                        f"through blocks the request no longer has. Fix: {RESUME_FIX}")
+            self.fail(invariant, f"{len(w.load_errors)} request(s): {err}", method)
+
+    def _preempted_sharing(self, err: str) -> list[str]:
+        """Requests preempted midway whose prompt shares the failing load's tokens.
+
+        The load error names the request and its first bad token; a request
+        preempted in its prefill that computed those tokens too may have saved
+        the entry through a stale block table.
+        """
+        import re
+
+        m = re.search(r"request (\S+): .*?token (\d+) ", err)
+        if not m or m.group(1) not in self.content:
+            return []
+        toks, pos = self.content[m.group(1)], int(m.group(2))
+        return [rid for rid in self.preempted_prefill_ids
+                if self.content.get(rid, [])[:pos + 1] == toks[:pos + 1]]
 
     def _backing(self, rid: str, k: int) -> tuple[int, int]:
         """Longest prefix of ``rid``'s prompt that requests computed before now.
@@ -1191,6 +1248,13 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
                 self._do("reset_prefix_cache")
             self._do("add", 0, tail, None, None, twin, tenant, max_tokens, of)
 
+        @precondition(lambda self: family.preemption and self.ex is not None
+                      and not self.ex.rig.scheduler.requests)
+        @rule(replay_of=st.none() | st.integers(0, 7))
+        def crowd(self, replay_of: int | None) -> None:
+            """Decoders ahead of a long prefill: preempted midway, resumed."""
+            self._do("crowd", replay_of)
+
         @rule(count=st.integers(1, 3))
         def step(self, count: int) -> None:
             self._do("step", count)
@@ -1482,7 +1546,8 @@ def premises_missing(stats: Stats, family: Family) -> list[str]:
 
     A green from sequences that never hit or loaded proves nothing: a hit that
     loaded, aborts of a waiting and of a running request, a shared prefix,
-    twins, a restart, and the family's preemption, tenant request or fault.
+    twins, a restart, and the family's preemption (of a prefill midway too),
+    tenant request or fault.
     """
     return [name for name, ok in (
         ("hit that loaded", stats.hits > 0 and stats.loads > 0),
@@ -1491,6 +1556,8 @@ def premises_missing(stats: Stats, family: Family) -> list[str]:
         ("shared prefix", stats.shared_prefix), ("twins", stats.twins),
         ("restart", stats.restarts),
         ("preemption", stats.preemptions > 0 or not family.preemption),
+        ("preemption of a prefill midway",
+         stats.preempted_prefills > 0 or not family.preemption),
         ("tenant request", stats.tenant_requests > 0 or not family.tenants),
         ("fault", stats.faults or not family.faults)) if not ok]
 

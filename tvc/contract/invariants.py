@@ -268,6 +268,19 @@ def assert_loaded_kv_bit_identical(worker: Any) -> None:
         "block or layer")
 
 
+def assert_no_write_into_free_blocks(worker: Any, what: str) -> None:
+    """No block was written while vLLM had it free (:mod:`tvc.contract.freed`).
+
+    Raises:
+        AssertionError: names the first such block, its layer, what freed it
+            and when it was written ("used after vLLM freed it").
+
+    """
+    uses = list(getattr(worker, "freed_uses", ()))
+    assert not uses, (f"{what}: {len(uses)} block(s) written while vLLM had them "
+                      f"free: {uses[0]}")
+
+
 def iter_finished_returns(driver: EngineDriver) -> Iterable[tuple[str, str, Any]]:
     """(request id, method name, returned value) for every finished request."""
     for rid, (name, ret) in driver.finished_returns.items():

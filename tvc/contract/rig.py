@@ -160,11 +160,14 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             except ConnectorWorkerError as exc:
                 exc.runner = runner  # type: ignore[attr-defined]  # for reports
                 raise
+            worker.watch_frees(sched)  # marks the blocks vLLM frees
         elif spec and spec not in (BUILTIN_STANDIN, REAL_WORKER_ONLY):
             worker = load_worker_report(spec, vc, kcc, sched.connector)
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,
-                          on_no_worker=on_no_worker)
+                          on_no_worker=on_no_worker,
+                          call_timeout_s=float(
+                              profile["connector"]["call_timeout_s"]))
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
 

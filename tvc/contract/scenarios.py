@@ -37,6 +37,7 @@ from tvc.contract.invariants import (
     assert_block_aligned,
     assert_hit_matches_rule,
     assert_loaded_kv_bit_identical,
+    assert_no_write_into_free_blocks,
     assert_scheduler_empty_and_no_leaked_blocks,
     assert_untouched_outside,
     snapshot_kv,
@@ -283,6 +284,7 @@ def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
             f"({local} local) but started computing at token {start}, expected "
             f"{want}: the load was lost between the scheduler and the worker")
     if w is not None:
+        assert_no_write_into_free_blocks(w, what)
         errs = list(w.load_errors)
         assert not errs, (
             f"{what}: loaded KV differs from what was stored for {len(errs)} "
@@ -295,6 +297,7 @@ def finish(rig: Rig) -> None:
     """End of every scenario: bit-identical loads, empty scheduler, no leak."""
     w = real_worker(rig)
     if w is not None:
+        assert_no_write_into_free_blocks(w, "at the end")
         assert_loaded_kv_bit_identical(w)
     assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
 
@@ -938,6 +941,247 @@ def chunked_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
             "matched": m}
 
 
+def resumed_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
+    """10. A chunked prefill preempted midway and resumed on other blocks, twice.
+
+    vLLM preempts the last running request when a running one cannot get a
+    block (``Scheduler.schedule``: ``preempted_req = self.running.pop()``),
+    frees its blocks and zeroes its ``num_computed_tokens``
+    (``_preempt_request``), and resumes it later with a whole new block table
+    (``CachedRequestData.resumed_req_ids``: its ``new_block_ids`` replace the
+    old ones) from its local prefix-cache hit and the connector's new answer
+    (``vllm/v1/core/sched/scheduler.py``, 0.28 and 0.33). A connector that
+    keeps per-request state across that (a block table appended to, a count of
+    computed tokens) saves from blocks the request no longer has, or tokens not
+    computed yet.
+
+    1. D1 and D2 (``B - 2`` tokens: one block each) prefill in one step and
+       decode; a step budget of ``2 B + 8`` tokens ends every prefill chunk off
+       a block boundary;
+    2. a long prompt L (7 chunks + ``B / 2 + 1``) arrives; the pool holds L's
+       prompt and what D2 holds when D1 ends: while both D's grow, L cannot
+       finish its prefill and vLLM preempts it midway; D1 ends, L resumes on
+       other block ids (D1's, its own taken by the D's) with no block to
+       spare, and the next block L or D2 needs preempts it again;
+    3. every load on a re-admission is verified as it happens (the worker), and
+       every block the connector read for a save after a resumption is verified
+       by the replay: drop vLLM's prefix cache, replay L: the rule's hit,
+       bit-identical loads; nothing leaks.
+
+    Returns:
+        L's length, the budget, its preemptions (with the tokens it had computed
+        before each), its block tables before and after the first one, and the
+        replay's hit.
+
+    """
+    b = BLOCK_SIZE
+    n = prompt_len(profile, b, 7, b // 2 + 1)
+    # L's share of a step is 2B + 6 tokens (B + 6 mod B): its chunks end off
+    # block boundaries, and after a preemption at 2 such chunks a count that
+    # was not reset runs B - 4 tokens ahead across a chunk boundary
+    budget = 2 * b + 8
+    d_len = b - 2  # D1, D2 cross into their second block in L's third step
+    steps = -(-n // (budget - 2))  # L's prefill steps beside two decodes
+    # null block + L's prompt + D2's blocks when D1 ends (steps + 2 tokens
+    # on): L resumes exactly then, and any growth preempts it again; before,
+    # D1 and D2 hold more, so L cannot finish its prefill
+    pool = 1 + -(-n // b) + -(-(d_len + steps + 3) // b)
+    rig = make_rig(block_size=b, num_blocks=pool, max_num_batched_tokens=budget,
+                   max_num_seqs=4)
+    sched, d = rig.scheduler, rig.driver
+    # D1 ends soon after L's prefill would have (L resumes on its blocks);
+    # D2 decodes on, crossing into a new block every B steps
+    d1 = rig.request(d_len, max_tokens=steps + 2)
+    d2 = rig.request(d_len, max_tokens=steps + 3 * b)
+    d.add(d1, d2)                                                    # 1
+    d.step()
+    assert d1.num_output_tokens and d2.num_output_tokens, (
+        f"scenario did not happen: D1 and D2 ({d_len} tokens each) did not "
+        f"prefill in one step of {budget} tokens")
+    long = rig.request(n, max_tokens=2 * b)
+    d.add(long)                                                      # 2
+    rid = long.request_id
+    before: list[int] = []  # tokens computed at the step before each preemption
+    tables: list[list[int]] = []  # L's table before its first preemption, after
+    off_boundary = 0
+    computed = 0
+    table: list[int] = []
+    for _ in range(d.max_steps):
+        if not sched.requests:
+            break
+        so = d.step()
+        if long.num_preemptions > len(before):
+            before.append(computed)
+            if len(tables) == 0:
+                tables.append(table)
+        got = so.num_scheduled_tokens.get(rid, 0)
+        if got > 1 and long.num_computed_tokens % b:
+            off_boundary += 1
+        if rid in sched.requests and long.status.name == "RUNNING":
+            table = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+            if len(tables) == 1 and long.num_preemptions:
+                tables.append(table)
+        computed = long.num_computed_tokens
+    d.run_until_idle()
+    mid = [c for c in before if c < n]
+    assert mid, (
+        f"scenario did not happen: the {n}-token prompt was not preempted before "
+        f"its prefill ended (preemptions after {before} computed tokens; pool "
+        f"{pool} blocks, budget {budget})")
+    assert len(before) >= 2, (
+        f"scenario did not happen: the {n}-token prompt was preempted "
+        f"{len(before)} time(s), expected at least 2 (pool {pool} blocks)")
+    assert off_boundary, (
+        f"scenario did not happen: no prefill chunk of the {n}-token prompt ended "
+        f"off a block boundary (budget {budget})")
+    assert len(tables) == 2 and tables[0] != tables[1][:len(tables[0])], (
+        "scenario did not happen: the prompt resumed on the block ids it had "
+        f"before its preemption ({tables}): nothing else took its freed blocks")
+    _cold(rig)                                                        # 3
+    replay = _replay(rig, long)
+    rig.driver.run(replay)
+    _, m = check_hit(rig, replay, rule_hit(profile, n, b),
+                     f"resumed prefill ({len(before)} preemptions)")
+    assert m > 0, (
+        f"scenario did not happen: the replay of the {n}-token prompt matched "
+        "nothing, so no saved block was checked")
+    try:
+        check_every_load(rig, [long, replay],
+                         f"resumed prefill ({len(before)} preemptions, computed "
+                         f"{before} before each)")
+        finish(rig)
+    except AssertionError as exc:
+        from tvc.contract.freed import RESUME_FIX
+
+        own = "another block of its own table" in str(exc)
+        raise AssertionError(
+            f"{exc} — request {rid} was preempted after computing {before} tokens "
+            f"and resumed on other block ids (table {tables[0]} -> {tables[1]})"
+            + (": the connector saved or loaded a chunk through the block table the "
+               "request had before its preemption (block table appended to, or "
+               f"kept; build_connector_meta / update_state_after_alloc). Fix: "
+               f"{RESUME_FIX}" if own else "")) from exc
+    return {"prompt_len": n, "budget": budget, "pool": pool,
+            "preempted_after": before, "tables": tables, "matched": m}
+
+
+#: slack of the write-volume bound over the KV bytes vLLM asked to store: a file
+#: format's header, digests and alignment (safetensors: an 8-byte length and a
+#: JSON header per file; the panel: a SHA-256 per block in it)
+WRITE_SLACK = 0.5
+#: bytes a request may write beyond its blocks' KV: metadata files (an index,
+#: a manifest), whatever the KV size
+WRITE_META_BYTES = 64 * 1024
+#: entries (files) a request may write beyond one per block and layer
+WRITE_META_ENTRIES = 2
+
+
+def kv_bytes_per_block(rig: Rig) -> int:
+    """Bytes of one KV block over every layer (``KVCacheSpec.page_size_bytes``).
+
+    Args:
+        rig: the rig (its ``kv_cache_config``: one group per attention kind).
+
+    Returns:
+        the sum over the KV cache groups of ``page_size_bytes`` times the
+        group's layers: what one block of one request holds in vLLM's cache.
+
+    """
+    return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+               for g in rig.kv_cache_config.kv_cache_groups)
+
+
+def write_volume(make_rig: MakeRig, profile: Any,
+                 injector_factory: Callable[[Rig], Any]) -> dict[str, Any]:
+    """11. What a connector writes per request is bounded by what vLLM asked.
+
+    vLLM hands a connector the blocks of a request to store: the blocks of its
+    prompt (``build_connector_meta`` sees them scheduled, ``request_finished``
+    gets the block ids of its computed tokens, ``vllm/v1/core/sched/
+    scheduler.py`` ``_connector_finished``), and the blocks of its output for a
+    connector that stores decoded tokens too (``connector.stores_decode``). A
+    connector that stores more (every chunk again at every step, each decode
+    step's whole sequence, several copies of an entry) fills its store many
+    times faster than it needs to, and evicts what it could serve.
+
+    The bound, per request, in KV bytes: ``blocks * kv_bytes_per_block * (1 +
+    WRITE_SLACK) + WRITE_META_BYTES`` and ``blocks * layers +
+    WRITE_META_ENTRIES`` files, where ``blocks`` is ``ceil(prompt / B)`` (a
+    partial last block may be stored too), ``ceil((prompt + output) / B)``
+    with ``stores_decode``. Checked cumulatively after each request (a write
+    that lands after its request ended counts against the next one's bound
+    too, never twice).
+
+    1. three prompts (1 chunk + B/2, 2 chunks + 1, 4 chunks + B/2 + 1 tokens)
+       with ``2 B`` output tokens each, one after the other;
+    2. after each, the files under the connector's store folder written or
+       changed since the start (:class:`tvc.contract.faults.FileStoreInjector`)
+       stay within the sum of the bounds so far.
+
+    Returns:
+        bytes and entries written per request, the bounds, KV bytes per block.
+
+    Raises:
+        NotApplicable: the connector's store is not files under a folder of
+            its ``kv_connector_extra_config`` (nothing to measure).
+
+    """
+    from tvc.contract.faults import FileStoreInjector
+
+    rig = make_rig(block_size=BLOCK_SIZE)
+    inj = injector_factory(rig)
+    if not isinstance(inj, FileStoreInjector):
+        raise NotApplicable(
+            "the connector's store is no folder of files named in its "
+            f"kv_connector_extra_config ({type(inj).__name__}): the bytes it "
+            "writes cannot be measured here")
+    b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
+    per_block = kv_bytes_per_block(rig)
+    layers = sum(len(g.layer_names) for g in rig.kv_cache_config.kv_cache_groups)
+    decode = bool(profile["connector"]["stores_decode"])
+    out_tokens = 2 * b
+    start = inj.mark()
+    bound_bytes = bound_entries = 0
+    rows = []
+    for chunks, tail in ((1, b // 2), (2, 1), (4, b // 2 + 1)):
+        n = prompt_len(profile, b, chunks, tail)
+        r = _store(rig, n, max_tokens=out_tokens)                   # 1
+        blocks = -(-(n + (out_tokens if decode else 0)) // b)
+        bound_bytes += int(blocks * per_block * (1 + WRITE_SLACK)) + WRITE_META_BYTES
+        bound_entries += blocks * layers + WRITE_META_ENTRIES
+        files = inj.entries_since(start)                             # 2
+        written = sum(p.stat().st_size for p in files if p.exists())
+        rows.append({"request": r.request_id, "prompt": n, "blocks": blocks,
+                     "bytes": written, "entries": len(files)})
+        what = (f"{len(rows)} request(s) ({', '.join(str(x['prompt']) for x in rows)}"
+                f"-token prompts, {out_tokens} output tokens each)")
+        assert written <= bound_bytes and len(files) <= bound_entries, (
+            f"write volume: after {what} the connector has written {written:,} "
+            f"bytes in {len(files)} entries under {inj.root}, more than vLLM asked "
+            f"it to store: at most {bound_bytes:,} bytes and {bound_entries} "
+            f"entries — {sum(x['blocks'] for x in rows)} blocks of "
+            f"{per_block:,} KV bytes ({'prompt and output' if decode else 'the prompt'}"
+            f"'s blocks; connector.stores_decode = {str(decode).lower()}) "
+            f"x {1 + WRITE_SLACK:g} + {WRITE_META_BYTES:,} bytes and "
+            f"{WRITE_META_ENTRIES} entries of metadata per request. The connector "
+            "stores more than it is asked (each chunk again at every step, the "
+            "output's tokens, several entries per block): store each block vLLM "
+            "hands over once (build_connector_meta / save_kv_layer / "
+            "wait_for_save)")
+    assert rows[-1]["bytes"] > 0, (
+        f"scenario did not happen: the connector wrote nothing under {inj.root} "
+        f"for {len(rows)} stored prompts")
+    _cold(rig)
+    replay = _replay(rig, r)
+    rig.driver.run(replay)
+    check_hit(rig, replay, rule_hit(profile, replay.num_prompt_tokens, b),
+              "write volume (the store holds what it was asked)")
+    check_every_load(rig, [replay], "write volume")
+    finish(rig)
+    return {"kv_bytes_per_block": per_block, "chunk": c, "requests": rows,
+            "bound_bytes": bound_bytes, "bound_entries": bound_entries}
+
+
 # ------------------------------------------------- connector API paths vLLM drives
 IDLE_STEPS = 4  # EngineDriver.run_until_idle's empty steps after the last request
 
@@ -1015,12 +1259,15 @@ def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     """KV cache events (``take_events``, worker events) against what was stored.
 
     1. a rig with vLLM's KV cache events on (``--kv-events-config`` with
-       ``enable_kv_cache_events``); store a prompt and another, drop vLLM's
-       local cache, replay the first (an external hit);
+       ``enable_kv_cache_events``); store a prompt, then a prompt that extends
+       it by two chunks (its first new block's parent is the first prompt's
+       last block), then another; drop vLLM's local cache, replay the
+       extended one (an external hit);
     2. :func:`tvc.contract.api_checks.check_events`: every ``BlockStored``
-       names blocks these requests computed, with their tokens and parent;
-       ``BlockRemoved`` only stored blocks; every block the hit served was
-       announced.
+       names blocks these requests computed, in the form vLLM publishes, with
+       their tokens, as a piece of vLLM's hash chain hung on an announced
+       parent; ``BlockRemoved`` only stored blocks; every block the hit served
+       was announced.
 
     Raises:
         NotApplicable: the connector keeps vLLM's default (no events).
@@ -1036,8 +1283,18 @@ def kv_cache_events(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
             "get_kv_connector_kv_cache_events (no KV cache events): nothing to "
             "check")
     n = scenario_lengths(profile, rig.block_size)["single"]
+    first = _store(rig, n)
+    c = chunk_tokens(profile, rig.block_size)
+    longer = _store(rig, n + 2 * c, shared_prefix=first.prompt_token_ids)
     _store(rig, n)
-    stored, replay, hit = _stored_then_served(profile, rig)
+    _cold(rig)
+    replay = _replay(rig, longer)
+    rig.driver.run(replay)
+    _local, hit, _ = external_hit(rig.driver, replay)
+    assert hit > n - c, (
+        f"scenario did not happen: the replay of a stored {n + 2 * c}-token prompt "
+        f"(extending a stored {n}-token one) matched {hit} tokens, not beyond the "
+        "shorter prompt, so no extended chain was served")
     emitted = sum(len(evs) for _side, _step, evs in rig.driver.coverage.events)
     if not emitted:
         # an emitter that misses a block still gets every check below

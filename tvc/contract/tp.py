@@ -587,7 +587,9 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
         sched = make_scheduler(vc, kcc)
         group = TPWorkerGroup(vc, kcc, device, sched.connector, backend=backend,
                               rank_faults=dict(rank_faults or {}))
-    return TPRig(vc, kcc, sched, group, EngineDriver(sched, worker=group))
+    return TPRig(vc, kcc, sched, group, EngineDriver(
+        sched, worker=group,
+        call_timeout_s=float(profile["connector"]["call_timeout_s"])))
 
 
 def note_tp_rig(rig: TPRig) -> Any:

@@ -17,12 +17,22 @@ from typing import Any
 from tvc.contract.compat import HarnessIncompatible, engine_forward_context
 from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
+from tvc.contract.freed import (
+    FREED_AT_FINISH,
+    FREED_AT_PREEMPT,
+    UNWRITTEN,
+    holds,
+    mark_meaning,
+)
 from tvc.plugin.error_hints import hint_prefix
 
 #: value written into the slots a synchronous load must fill, before the load:
 #: never a pattern value (those are integers in [-125, 125], see
 #: :func:`pattern_values`), exact in float16/bfloat16
 POISON = 0.5
+
+#: the marks of :mod:`tvc.contract.freed` a load may bring back from the store
+MARKS = (FREED_AT_FINISH, FREED_AT_PREEMPT, UNWRITTEN)
 
 # --------------------------------------------------------------- KV cache + pattern
 # The attention backend, the KV allocation and the forward context differ between
@@ -465,6 +475,8 @@ class ConnectorWorker:
         self.unrecomputed: set[int] = set()
         self.unrecomputed_reads: list[str] = []
         self._reported_now: dict[str, int] = {}
+        self.freed: Any = None  # FreedBlocks once watch_frees ran
+        self._steps = 0
 
     def _layout_choice(self, runner: tuple[str, str], cross: Any) -> Any:
         """The :class:`tvc.contract.layout.KVLayoutChoice` just registered."""
@@ -498,6 +510,23 @@ class ConnectorWorker:
                 self._dist_held = False
                 _release_distributed()
 
+    def watch_frees(self, scheduler: Any) -> None:
+        """Mark the blocks vLLM frees (:class:`tvc.contract.freed.FreedBlocks`).
+
+        Args:
+            scheduler: the rig's vLLM ``Scheduler`` (same process).
+
+        """
+        from tvc.contract.freed import FreedBlocks
+
+        self.freed = FreedBlocks(self.kv_caches)
+        self.freed.watch(scheduler)
+
+    @property
+    def freed_uses(self) -> list[str]:
+        """One sentence per write into a block while vLLM had it free."""
+        return self.freed.uses if self.freed is not None else []
+
     def expect_loads(self, loads: dict[str, tuple[int, int]]) -> None:
         """Token ranges this step's synchronous external loads must fill.
 
@@ -512,6 +541,8 @@ class ConnectorWorker:
         """Zero every KV tensor (the load must then restore exactly the hit)."""
         for t in self.kv_caches.values():
             t.zero_()
+        if self.freed is not None:
+            self.freed.zeroed()
 
     def _track(self, so: Any) -> list[tuple[str, int, int]]:
         """Update block tables; return (req_id, start, end) token ranges computed."""
@@ -569,6 +600,8 @@ class ConnectorWorker:
         import torch
 
         own = set(self.block_table.get(req_id, ()))
+        if self.freed is not None:  # marked free blocks: FreedBlocks.check
+            own |= set(self.freed.freed)
         for name, kv in self.kv_caches.items():
             per_layer = kv.dim() == 4  # [num_blocks, ...]; else [2, num_blocks, ...]
             nb = kv.shape[0] if per_layer else kv.shape[1]
@@ -600,8 +633,7 @@ class ConnectorWorker:
         worst: tuple[int, str] | None = None
         for i, name in enumerate(self.names):
             kv = self.kv_caches[name]
-            dev = kv.device
-            got = token_view(kv, blocks.to(dev), offs.to(dev))
+            got = self.read_slots(name, blocks, offs)
             want = self.pattern(kv, layer_index(name, i), pos, tok)
             if got.dtype.itemsize == 2:
                 eq = got.contiguous().view(torch.int16) == want.contiguous().view(
@@ -617,6 +649,10 @@ class ConnectorWorker:
                 rest = got[~per_tok] if kv.dim() == 4 else got[:, ~per_tok]
                 zero = not bool(rest.ne(0).any())
                 poisoned = not bool(rest.ne(POISON).any())
+                marked = next((mark_meaning(m) for m in MARKS if holds(rest, m)),
+                              "")
+                if not (zero or poisoned or marked):
+                    marked = self._whose_kv(req_id, name, i, start + bad)
                 worst = (start + bad,
                          f"layer {name}: token {start + bad} (block "
                          f"{int(blocks[bad])}, offset {int(offs[bad])}) does not "
@@ -625,8 +661,86 @@ class ConnectorWorker:
                          + ("; their slots are still zero: nothing was loaded "
                             "into them)" if zero else
                             "; their slots still hold the harness's poison: "
-                            "nothing was loaded into them)" if poisoned else ")"))
+                            "nothing was loaded into them)" if poisoned else ")")
+                         + marked)
         return worst
+
+    def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
+        """Whose KV the block of ``pos`` holds: another layer's, another block's.
+
+        A diagnosis for a mismatch: a load into (or a save from) the wrong layer
+        holds the same tokens' KV of another layer; one through the wrong block
+        of the request's own table holds another position's KV of the same
+        prompt.
+
+        Returns:
+            "; the slots hold layer X's KV of these tokens", "; the block holds
+            the KV of tokens [a, b) of this request", or "".
+
+        """
+        import torch
+
+        b = self.block_size
+        k = pos // b
+        n = min(len(self.tokens.get(req_id, ())),
+                len(self.block_table.get(req_id, ())) * b)
+        if (k + 1) * b > n:
+            return ""
+        kv = self.kv_caches[name]
+        blocks, offs, pos_k, tok_k = self._token_slots(req_id, k * b, (k + 1) * b)
+        got = self.read_slots(name, blocks, offs)
+        for i, other in enumerate(self.names):
+            if i != layer and torch.equal(got, self.pattern(
+                    kv, layer_index(other, i), pos_k, tok_k)):
+                return (f"; the slots hold layer {other}'s KV of these tokens: the "
+                        "connector loaded (or saved) another layer's KV into this "
+                        "one (its layer order or the cross-layer axis read "
+                        "wrongly)")
+        for j in range(n // b):
+            if j == k:
+                continue
+            pos_j = torch.arange(j * b, (j + 1) * b, dtype=torch.long)
+            tok_j = torch.tensor(self.tokens[req_id][j * b:(j + 1) * b],
+                                 dtype=torch.long)
+            if torch.equal(got, self.pattern(kv, layer_index(name, layer), pos_j,
+                                             tok_j)):
+                return (f"; the block holds the KV of tokens [{j * b}, "
+                        f"{(j + 1) * b}) of this request (another block of its own "
+                        "table)")
+        return ""
+
+    def read_slots(self, name: str, blocks: Any, offsets: Any) -> Any:
+        """:func:`token_view` of layer ``name``, seeing through freed-block marks.
+
+        A block vLLM has freed holds a mark (:mod:`tvc.contract.freed`); what it
+        held when vLLM freed it is kept, and read here instead: a request's KV
+        is judged as vLLM left it, also once the request finished.
+        """
+        kv = self.kv_caches[name]
+        got = token_view(kv, blocks.to(kv.device), offsets.to(kv.device))
+        freed = self.freed.freed if self.freed is not None else {}
+        if not freed:
+            return got
+        for i, (b, o) in enumerate(zip(blocks.tolist(), offsets.tolist(),
+                                       strict=True)):
+            kept = self.freed.kept.get(b, {}).get(name) if b in freed else None
+            if kept is None:
+                continue
+            if kv.dim() == 4:  # kept (H, B, 2D) -> token (H, 2D)
+                got[i] = kept[:, o]
+            else:  # kept (2, B, H, D) -> token (2, H, D)
+                got[:, i] = kept[:, o]
+        return got
+
+    def poison_blocks(self, block_ids: Sequence[int], start: int, end: int
+                      ) -> None:
+        """Fill tokens [start, end) of a block table with :data:`POISON`.
+
+        Tokens past the table's blocks are left out.
+        """
+        end = min(end, len(block_ids) * self.block_size)
+        if end > start:
+            self._poison_slots(list(block_ids), start, end)
 
     def poison(self, req_id: str, start: int, end: int) -> None:
         """Fill tokens [start, end) of a request with :data:`POISON` in every layer.
@@ -634,12 +748,13 @@ class ConnectorWorker:
         Done before a synchronous load, so that a token the connector does not
         load can never hold the stored pattern by chance (a reused block).
         """
+        if end > start:
+            self._poison_slots(self.block_table[req_id], start, end)
+
+    def _poison_slots(self, table: list[int], start: int, end: int) -> None:
         import torch
 
-        if end <= start:
-            return
-        blocks, offs, _pos = slots_for(self.block_table[req_id], start, end,
-                                       self.block_size)
+        blocks, offs, _pos = slots_for(table, start, end, self.block_size)
         for name in self.names:
             kv = self.kv_caches[name]
             b, o = blocks.to(kv.device), offs.to(kv.device)
@@ -670,7 +785,7 @@ class ConnectorWorker:
             _, _, pos, tok = self._token_slots(req_id, lo, hi)
             blocks, offs, _ = slots_for(self.block_table[req_id], lo + d, hi + d,
                                         self.block_size)
-            got = token_view(kv, blocks.to(kv.device), offs.to(kv.device))
+            got = self.read_slots(self.names[0], blocks, offs)
             want = pattern_values(kv, 0, pos, tok)
             if torch.equal(got, want):
                 return d
@@ -733,6 +848,9 @@ class ConnectorWorker:
         from vllm.config import set_current_vllm_config
         from vllm.v1.outputs import KVConnectorOutput
 
+        self._steps += 1
+        if self.freed is not None:
+            self.freed.step = self._steps
         work = self._track(so)
         expected, self._expected_loads = self._expected_loads, {}
         for rid, (lo, hi) in expected.items():
@@ -759,6 +877,8 @@ class ConnectorWorker:
                 # gpu/kv_connector.py L67-L68)
                 if hasattr(c, "handle_preemptions"):
                     c.handle_preemptions(meta)
+                if self.freed is not None:  # a preemption's blocks, now
+                    self.freed.flush()
                 step = "bind_connector_metadata"
                 c.bind_connector_metadata(meta)
                 step = "start_load_kv"
@@ -806,6 +926,8 @@ class ConnectorWorker:
         self._judge_loads(checks, set(out.invalid_block_ids or ()), expected,
                           failed_reqs)
         self._judge_shared_block(work, expected)
+        if self.freed is not None:
+            self.freed.check(f"the worker step of engine step {self._steps}")
         if self.heal_reported:
             self._heal(checks)
         return out

@@ -1,1 +1,1 @@
-"""Ground-floor helpers: paths, ownership, files (no pytest imports)."""
+"""Ground-floor helpers with no pytest import: paths, ownership, files, deadlines."""

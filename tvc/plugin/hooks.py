@@ -827,6 +827,8 @@ def pytest_collection_modifyitems(config: pytest.Config,
                 items=[i for its in dropped.values() for i in its])
         finally:
             _own_deselection.clear()
+    _bound_contract_tests(config, items,
+                          float(profile["connector"]["test_timeout_s"]))
     lanes = run_control.gpu_lanes(config)
     if config.pluginmanager.hasplugin("xdist"):
         run_control.group_gpu_owners(items, lanes)
@@ -837,6 +839,36 @@ def pytest_collection_modifyitems(config: pytest.Config,
         run_control.write_owner_ids(folder, worker, items, lanes)
         run_control.write_hw_levels(folder, worker, items)
     _publish_deselected(config)
+
+
+def _bound_contract_tests(config: pytest.Config, items: list[pytest.Item],
+                          seconds: float) -> None:
+    """Give every contract test a pytest-timeout limit (signal method).
+
+    The contract tier runs the connector in this process: a call that never
+    returns would hang the run with no verdict. The engine driver's watchdog
+    names a stuck connector call (``connector.call_timeout_s``); this bounds
+    the test's body (``connector.test_timeout_s``) with pytest-timeout's signal
+    method, which fails the test and lets the run write its report (the thread
+    method would end the process). Only the body (``func_only``): a signal
+    that lands in a hook between two phases of a test ends the session with an
+    internal error (the report then names that test, see
+    :meth:`tvc.plugin.report.RunReport.pytest_internalerror`). A
+    ``--timeout``, ``PYTEST_TIMEOUT``, ini
+    ``timeout`` or a test's own ``timeout`` marker wins; without pytest-timeout
+    nothing is added.
+    """
+    import os
+
+    if not config.pluginmanager.hasplugin("timeout") or (
+            config.getoption("timeout", None) is not None
+            or os.environ.get("PYTEST_TIMEOUT") or config.getini("timeout")):
+        return
+    for item in items:
+        if item.get_closest_marker("contract") and not item.get_closest_marker(
+                "timeout"):
+            item.add_marker(pytest.mark.timeout(seconds, method="signal",
+                                                func_only=True))
 
 
 _own_deselection: set[int] = set()
@@ -1042,6 +1074,8 @@ def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> in
     rep.deselected = run["deselected"]
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         rep.terminated_by = _terminating_signal(config)
+        rep.stopped_inside(f"stopped by {rep.terminated_by}" if rep.terminated_by
+                           else "interrupted (Ctrl-C)")
     from tvc.report.outcome import stop_reason
 
     unrun = any(t["outcome"] == "not_run" for t in rep.tests.values())

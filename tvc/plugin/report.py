@@ -101,6 +101,7 @@ class RunReport:
         self.summary: dict[str, Any] = {}  # what write() wrote
         self.stop: dict[str, str] = {}  # why the run stopped early (tvc.report.outcome)
         self.live = LiveReds(run_dir, f"profile {meta.get('profile', {}).get('name')}")
+        self.running = ""  # node id of the test in progress ('' between tests)
 
     def flat_properties(self) -> list[tuple[str, str]]:
         """Run-level facts as (name, value) pairs for the JUnit ``<properties>``."""
@@ -139,6 +140,39 @@ class RunReport:
                 "tiers": [tier] if tier in TIER_MARKERS else [], "properties": {},
                 "message": "", "hardware": (hardware or {}).get(nodeid, "any"),
             })
+
+    @pytest.hookimpl
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        """Remember the test in progress (named if the run stops inside it)."""
+        self.running = nodeid
+
+    @pytest.hookimpl
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        """No test in progress."""
+        self.running = ""
+
+    @pytest.hookimpl
+    def pytest_internalerror(self, excrepr: Any) -> None:
+        """An internal error stopped the run inside a test: that test is an error.
+
+        (E.g. a time limit that fired in a hook between two phases of a test:
+        without this the report would list the stuck test as never run.)
+        """
+        if not self.running:
+            return
+        entry = self.tests.setdefault(self.running, {
+            "nodeid": self.running, "outcome": "not_run", "duration_s": 0.0,
+            "tiers": [], "properties": {}, "message": ""})
+        last = [ln for ln in str(excrepr).splitlines() if ln.strip()][-1:]
+        entry["outcome"] = "error"
+        entry["message"] = ("the run stopped with an internal error while this "
+                            f"test ran: {last[0].strip() if last else excrepr}")
+
+    def stopped_inside(self, why: str) -> None:
+        """Name the test in progress when the run was interrupted (``why``)."""
+        entry = self.tests.get(self.running)
+        if entry is not None and entry["outcome"] == "not_run":
+            entry["message"] = f"running when the run was {why}: it never finished"
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

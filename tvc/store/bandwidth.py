@@ -6,9 +6,11 @@ and is repeated ``REPETITIONS`` times; the summary is median, min and max.
 
 Page-cache honesty: before every read repetition the pool files are fsynced and dropped
 from the page cache (``posix_fadvise(DONTNEED)``, no root needed); a write repetition
-includes ``store.sync()``. Each figure carries a label: ``direct`` (the store bypasses
-the page cache), ``cache dropped`` (buffered I/O, cache dropped before reads) or
-``cached`` (neither could be ensured; the figure may be the page cache's speed).
+includes ``store.sync()``. Each figure carries a label: ``direct`` (the store says it
+bypasses the page cache and a probe saw none of its pages there,
+:func:`verified_direct_io`), ``cache dropped`` (buffered I/O, cache dropped before
+reads) or ``cached`` (neither could be ensured; the figure may be the page cache's
+speed).
 
 Thresholds (:func:`threshold_gbps`) follow the operators' graded expectations for one
 disk, the four disks of one NUMA node and the whole machine (8 disks); the profile's
@@ -162,6 +164,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_DIRECT: dict[int, bool] = {}  # id(store) -> its page-cache bypass, as measured
+
+
+def verified_direct_io(store: Any, device: str) -> bool:
+    """Whether the store both claims and is seen to bypass the page cache.
+
+    Measured once per store (:func:`tvc.store.checks.measure_direct_io`): a
+    ``direct_io`` claim that the page cache contradicts, or that cannot be
+    observed, is not taken.
+    """
+    if id(store) not in _DIRECT:
+        from tvc.store.checks import measure_direct_io
+
+        facts = (measure_direct_io(store, 7, device) if store.direct_io
+                 else {"direct": False})
+        _DIRECT[id(store)] = bool(store.direct_io and facts["direct"])
+    return _DIRECT[id(store)]
+
+
 def measure_store(store: Any, direction: str, io_size: int, device: str,
                   total: int = TOTAL_BYTES, reps: int = REPETITIONS
                   ) -> tuple[list[float], str]:
@@ -180,7 +201,8 @@ def measure_store(store: Any, direction: str, io_size: int, device: str,
         reps: repetitions.
 
     Returns:
-        (seconds per repetition, page-cache label).
+        (seconds per repetition, page-cache label: ``direct`` only where
+        :func:`verified_direct_io` saw it).
 
     """
     import torch
@@ -205,7 +227,7 @@ def measure_store(store: Any, direction: str, io_size: int, device: str,
             store.sync()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return times, cache_label(store.direct_io, dropped)
+    return times, cache_label(verified_direct_io(store, device), dropped)
 
 
 def measure_kvikio_file(path: Path, direction: str, device: str,

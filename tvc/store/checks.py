@@ -119,6 +119,116 @@ def check_roundtrip(store: GpuDirectStore, offset: int, nbytes: int, seed: int,
                 "check its offset arithmetic and alignment handling.")
 
 
+#: bytes written to probe a store's page-cache claim (4 KiB aligned, far above
+#: a stray page or the file system's metadata)
+DIRECT_PROBE_BYTES = 16 << 20
+#: resident share of the probe's pages above which writes went through the page
+#: cache: a direct path leaves none; 1 % tolerates a page another reader touched
+RESIDENT_LIMIT = 0.01
+
+
+def measure_direct_io(store: GpuDirectStore, seed: int, device: str,
+                      nbytes: int = DIRECT_PROBE_BYTES) -> dict[str, Any]:
+    """Whether a store's writes and reads bypass the page cache, observed.
+
+    Every regular file the store names (``files()``) is written back and
+    evicted (:func:`tvc.core.pagecache.drop_cached`); ``nbytes`` of the pattern
+    are written through the store at offset 0 and ``sync()``-ed, the page-cache
+    residency of its files is read (``mincore``, :func:`tvc.core.pagecache.
+    resident_pages`); then the files are evicted again, the bytes read back
+    through the store (bit-exact) and the residency read again. A write or
+    read through the page cache leaves its pages resident; ``O_DIRECT`` and
+    GPUDirect Storage leave none.
+
+    Args:
+        store: the store (its pool at least ``nbytes`` bytes).
+        seed: pattern seed.
+        device: where the buffers live.
+        nbytes: bytes to write and read.
+
+    Returns:
+        ``claimed`` (``store.direct_io``), ``direct`` (True: no page of the
+        probe resident after the write nor after the read; False: resident;
+        None: nothing to observe, no regular file or no ``mincore``),
+        ``written_pages``, ``resident_after_write``, ``resident_after_read``
+        and ``files``.
+
+    Raises:
+        AssertionError: the read-back differs.
+
+    """
+    import mmap
+
+    import torch
+
+    from tvc.core.pagecache import drop_cached, resident_pages
+
+    files = [Path(p) for p in store.files() if Path(p).is_file()]
+    nbytes = min(nbytes, store.capacity // 4096 * 4096)
+    out: dict[str, Any] = {"claimed": bool(store.direct_io), "direct": None,
+                           "written_pages": -(-nbytes // mmap.PAGESIZE),
+                           "files": [str(p) for p in files]}
+
+    def resident() -> int | None:
+        counts = [resident_pages(p) for p in files]
+        if not files or any(c is None for c in counts):
+            return None
+        return sum(c[0] for c in counts if c is not None)
+
+    for p in files:
+        drop_cached(p)
+    before = resident()
+    want = pattern(0, nbytes, seed, device)
+    store.write(0, want)
+    store.sync()
+    after_write = resident()
+    for p in files:
+        drop_cached(p)
+    got = _blank(nbytes, device, seed)
+    store.read(0, got)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    after_read = resident()
+    assert_same(got, want, 0, f"read-back of the {nbytes}-byte page-cache probe",
+                "The store returned other bytes than it was given.")
+    out.update(resident_before=before, resident_after_write=after_write,
+               resident_after_read=after_read)
+    if before is None or after_write is None or after_read is None:
+        return out
+    limit = RESIDENT_LIMIT * out["written_pages"]
+    out["direct"] = (after_write - before <= limit) and after_read <= limit
+    return out
+
+
+def check_direct_io_claim(store: GpuDirectStore, seed: int, device: str,
+                          nbytes: int = DIRECT_PROBE_BYTES) -> dict[str, Any]:
+    """A store that says it bypasses the page cache does: measured, not trusted.
+
+    Raises:
+        AssertionError: ``direct_io`` is True but the probe's pages were in the
+            page cache after its write or its read (:func:`measure_direct_io`).
+
+    Returns:
+        :func:`measure_direct_io`'s facts.
+
+    """
+    facts = measure_direct_io(store, seed, device, nbytes)
+    if facts["claimed"] and facts["direct"] is False:
+        adapter = store.describe().get("adapter", type(store).__name__)
+        raise AssertionError(
+            f"the store ({adapter}) reports direct_io=True, but after writing "
+            f"{nbytes:,} bytes through it and sync(), "
+            f"{facts['resident_after_write'] - facts['resident_before']} of "
+            f"{facts['written_pages']} pages sat in the page cache (mincore of "
+            f"{', '.join(facts['files'])}), and {facts['resident_after_read']} after "
+            "reading them back from an evicted cache: its I/O goes through the "
+            "page cache, so the GB/s it shows are the page cache's. Fix: open the "
+            "pool with O_DIRECT (or GPUDirect Storage), or report direct_io=False "
+            "(the bandwidth tier then labels its figures 'cached' / 'cache "
+            "dropped', never 'direct')")
+    return facts
+
+
 def check_full_pool(store: GpuDirectStore, seed: int, device: str,
                     chunk_bytes: int = CHUNK_BYTES) -> dict[str, float]:
     """Fill the whole pool with the pattern, then read all of it back and compare.

@@ -1,0 +1,82 @@
+"""A deadline for code that may never return (a connector call, an engine step).
+
+vLLM calls every connector method on the engine core's one thread
+(``EngineCore.step``: ``schedule``, ``execute_model``, ``update_from_output``), so a
+connector call that loops or waits forever stops every request. :func:`deadline`
+bounds such a block with ``SIGALRM``: when the time is up its handler raises
+:class:`Stuck` in the stuck code itself (between two Python bytecodes, or when a
+blocking wait is interrupted), naming what was running and where.
+
+It nests with ``pytest-timeout``'s signal method (same signal): an outer timer
+that is due first keeps its deadline and is re-armed with the time it has left
+when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+
+class Stuck(AssertionError):
+    """A bounded block did not finish in time (the message names what and where)."""
+
+
+def frame_line(frame: FrameType | None) -> str:
+    """``file:line in function: source`` of ``frame`` ('' for None)."""
+    if frame is None:
+        return ""
+    code = frame.f_code
+    src = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}: {src}"
+
+
+def can_watch() -> bool:
+    """Whether :func:`deadline` can arm a timer here (POSIX, main thread)."""
+    return hasattr(signal, "setitimer") and (
+        threading.current_thread() is threading.main_thread())
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, describe: Callable[[float, FrameType | None, bool], str]
+             ) -> Iterator[None]:
+    """Raise :class:`Stuck` if the block runs longer than ``seconds``.
+
+    Args:
+        seconds: the bound; 0 or less (or a thread other than the main one,
+            where no signal handler can be set) watches nothing.
+        describe: ``(seconds, frame, outer) -> message``: called in the signal
+            handler with the frame that was running; ``outer`` is True when an
+            enclosing timer (``pytest-timeout``) was due first.
+
+    Raises:
+        Stuck: in the running code, when the time is up.
+
+    """
+    if seconds <= 0 or not can_watch():
+        yield
+        return
+    prev_handler = signal.getsignal(signal.SIGALRM)
+    prev_left, prev_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer = 0 < prev_left < seconds
+    bound = prev_left if outer else seconds
+    start = time.monotonic()
+
+    def handler(_signum: int, frame: FrameType | None) -> None:
+        raise Stuck(describe(bound, frame, outer))
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, bound)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, prev_handler)
+        if prev_left > 0:
+            left = prev_left - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), prev_interval)

@@ -1,4 +1,4 @@
-"""Known-bad connectors for the invariants of issue 31: ONE fault each.
+"""Known-bad connectors for the invariants vLLM implies: ONE fault each.
 
 Each subclasses a correct member of the panel (``panel_connectors.py``), so the
 only thing wrong with it is its planted fault; loaded by vLLM through

@@ -1,4 +1,4 @@
-"""The invariants of issue 31 catch each planted fault, in their own words.
+"""The invariants vLLM implies catch each planted fault, in their own words.
 
 Every connector of ``invariant_bad_connectors.py`` is a correct panel member
 (``panel_connectors.py``) with ONE fault; each runs the one contract test

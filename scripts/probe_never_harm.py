@@ -238,7 +238,7 @@ def exploration(tmp: Path) -> None:
     from tvc.contract import make_rig
     from tvc.contract.faults import fault_injector_for
     from tvc.contract.scenarios import chunk_tokens
-    from tvc.store import run_store
+    from tvc.core import run_store
 
     path = tmp / "x.toml"
     path.write_text(HEAD + f'[scratch]\ndir = "{tmp / "xs"}"\n')

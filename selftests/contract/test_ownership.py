@@ -3,7 +3,7 @@
 Load-time rules: a scratch dir, a ``store.path`` or a ``store.test_devices`` folder is
 new (the suite creates and marks it) or carries the suite's ``.tvc-owned`` marker from
 an earlier run; an existing folder without it is refused, even an empty one
-(:func:`tvc.store.run_store.ownership_problem`). Every store path of
+(:func:`tvc.core.run_store.ownership_problem`). Every store path of
 ``connector.extra_config`` is resolved once (``~``, ``file://``, relative to scratch)
 and must lie in scratch or a declared test device
 (:func:`tvc.config.checks.resolve_store_paths`); the connector receives the resolved
@@ -43,7 +43,7 @@ from tvc.contract.faults import (
     ForeignWriter,
     fault_injector_for,
 )
-from tvc.store import run_store
+from tvc.core import run_store
 
 HEAD = '[profile]\nname = "owned"\nextends = "example"\n'
 STORE_FAULT_TESTS = "suites/contract/test_scenarios.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tvc.config.profile import BUILTIN_DIR, load
-from tvc.store import run_store as rs
+from tvc.core import run_store as rs
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tvc.plugin.timeline import Timeline, build, critical_path
+from tvc.core.timeline import Timeline, build, critical_path
 from tvc.procs import pool as pl
 from tvc.procs.client import ServerError
 from tvc.procs.vllm_server import VllmServer

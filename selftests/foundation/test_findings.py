@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tvc.plugin.error_hints import hint_prefix
+from tvc.core.error_hints import hint_prefix
 from tvc.plugin.findings import CATALOGUE, findings
 
 pytestmark = [pytest.mark.hw_any]

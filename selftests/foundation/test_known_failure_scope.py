@@ -221,7 +221,7 @@ def test_a_known_internal_check_of_vllm_names_its_cause(tmp_path) -> None:
     """vLLM's ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``
     (a finished_sending after vLLM freed the request at finished_recving) is named
     as vLLM's check with the connector behaviour behind it."""
-    from tvc.plugin.error_hints import describe_failure
+    from tvc.core.error_hints import describe_failure
 
     path = tmp_path / "vllm" / "v1" / "core" / "sched" / "scheduler.py"
     path.parent.mkdir(parents=True)

@@ -435,7 +435,7 @@ SLOW_CLEANUP = {"conftest.py": """
     import time
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        from tvc.store import run_store
+        from tvc.core import run_store
 
         _remove = run_store.remove_session_stores
 

@@ -40,7 +40,7 @@ STORE_TESTS = {"test_store_and_wait.py": f"""
 
     import pytest
 
-    from tvc.store.run_store import isolate_store_paths
+    from tvc.core.run_store import isolate_store_paths
 
     pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
 

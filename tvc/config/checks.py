@@ -25,7 +25,7 @@ from packaging.version import Version
 
 from tvc.config.hit_rule import evaluate
 from tvc.config.paths import PACKAGE_DIR, REPO_ROOT
-from tvc.store import run_store
+from tvc.core import run_store
 
 SHOW_CHARS = 80  # characters of a bad value shown in a message
 MAX_PATH_CHARS = 4096  # Linux PATH_MAX (limits.h), bytes of one path
@@ -352,7 +352,7 @@ def owned_dir(value: str, raw: str | None = None) -> Path:
     Raises:
         Refusal: NUL, empty, no such user, relative, too long, or a folder the
             suite may not own (:func:`unsafe_dir_reason`,
-            :func:`tvc.store.run_store.ownership_problem`).
+            :func:`tvc.core.run_store.ownership_problem`).
 
     """
     raw = value if raw is None else raw
@@ -561,7 +561,7 @@ def resolve_store_paths(extra: Mapping[str, Any], scratch: Path,
     declared test device (:func:`store_location_problem`); the connector then
     receives the resolved absolute path (a URL stays a ``file://`` URL of it), so
     what the suite checked is what the connector writes. Paths inside scratch are
-    moved per session later (:mod:`tvc.store.run_store`).
+    moved per session later (:mod:`tvc.core.run_store`).
 
     Args:
         extra: ``connector.extra_config`` (interpolated); not modified.

@@ -97,7 +97,7 @@ def is_legacy_scratch(path: Path, profile_name: str) -> bool:
     """True for a checkout's default ``.scratch/<name>`` (folders predate markers).
 
     Only there the suite adopts an existing unmarked folder
-    (:func:`tvc.store.run_store.claim_dir`); the installed default is a new location
+    (:func:`tvc.core.run_store.claim_dir`); the installed default is a new location
     and follows the ownership-marker rules of any other folder.
     """
     return CHECKOUT is not None and Path(path) == CHECKOUT / ".scratch" / profile_name

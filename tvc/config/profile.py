@@ -68,7 +68,7 @@ from tvc.config.schema import (  # noqa: F401 - part of this module's API
     NAME,
     SCHEMA,
 )
-from tvc.store import run_store
+from tvc.core import run_store
 
 if sys.version_info >= (3, 11):
     import tomllib

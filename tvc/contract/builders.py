@@ -16,7 +16,7 @@ from typing import Any
 
 from tvc.config.profile import Profile
 from tvc.contract import compat
-from tvc.store.run_store import isolate_store_paths
+from tvc.core.run_store import isolate_store_paths
 
 # Tiny Llama used only for its config (no weights are loaded by the contract tier).
 TINY_VOCAB_SIZE = 32000  # token ids drawn below this
@@ -132,7 +132,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
         kv_transfer_config: override of the profile's dict (configuration tests).
             Either way, store paths inside the profile's scratch directory (or
             a test-device folder) are moved to this session's store folder
-            (:func:`tvc.store.run_store.isolate_store_paths`).
+            (:func:`tvc.core.run_store.isolate_store_paths`).
         device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
         tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
             heads per rank are then ``num_kv_heads // tensor_parallel_size``

@@ -318,7 +318,7 @@ class Explorer:
         if kv_transfer_config is not None:
             ktc = dict(kv_transfer_config, kv_load_failure_policy=policy)
             if scratch is not None:
-                from tvc.store.run_store import isolate_store_paths
+                from tvc.core.run_store import isolate_store_paths
 
                 ktc = isolate_store_paths(ktc, scratch,
                                           root=scratch / "explore" / self.ns)
@@ -840,7 +840,7 @@ class Explorer:
             if "get_num_new_matched_tokens" in msg:
                 self.fail("matched tokens within the prompt", msg)
             from tvc.contract.driver import connector_call
-            from tvc.plugin.error_hints import describe_failure
+            from tvc.core.error_hints import describe_failure
 
             where, _ = connector_call(exc)
             self.fail("no exception escapes an engine step",

@@ -75,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tvc.config.checks import store_base
-from tvc.store import run_store
+from tvc.core import run_store
 
 FAULT_KEY = "tvc_fault"  # kv_connector_extra_config key of the wrapper's settings
 MODES = ("fail_load", "corrupt_load", "misreport_load", "lose_entry", "fail_save")
@@ -551,12 +551,12 @@ class FileStoreInjector:
     It damages only files the connector under test wrote in this run:
 
     - ``root`` lies in a folder this process created in this run
-      (:func:`tvc.store.run_store.made_in_this_run`: the session's store folder);
+      (:func:`tvc.core.run_store.made_in_this_run`: the session's store folder);
     - an entry is a file that appeared during the step, recorded as it appears
       by path, device, inode, mtime and size (:meth:`entries_since`), once the
       store folder is quiet; a file that was there before the step and changed
       during it, or one that keeps changing once the step's writes are over
-      (checked every :func:`tvc.store.run_store.settle_s`, for at most
+      (checked every :func:`tvc.core.run_store.settle_s`, for at most
       :data:`QUIET_MAX_S`), is
       another writer's, and the injector stops (:class:`ForeignWriter`, sticky
       for the injector, noted for the session's clean-up, which then keeps the
@@ -581,7 +581,7 @@ class FileStoreInjector:
     between_lookup_and_load = True
     FAILED_WRITE_LIMIT = 16  # bytes a failing save may still write
     QUIET_MAX_S = 2.0  # how long the step's own late writes may take to end
-    #   (at the box's load factor, as :func:`tvc.store.run_store.settle_s`)
+    #   (at the box's load factor, as :func:`tvc.core.run_store.settle_s`)
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)

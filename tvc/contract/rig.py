@@ -33,7 +33,7 @@ from tvc.contract.layout import (
 )
 from tvc.contract.standins import BUILTIN_STANDIN, load_worker_report
 from tvc.contract.worker import ConnectorWorker, ConnectorWorkerError
-from tvc.store import run_store
+from tvc.core import run_store
 
 
 # ------------------------------------------------------------------- rig + fixtures

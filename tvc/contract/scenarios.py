@@ -44,7 +44,7 @@ from tvc.contract.invariants import (
 )
 from tvc.contract.rig import Rig
 from tvc.contract.worker import ConnectorWorker
-from tvc.plugin.error_hints import describe_failure
+from tvc.core.error_hints import describe_failure
 
 MakeRig = Callable[..., Rig]
 BLOCK_SIZE = 16  # B of every scenario rig (vLLM's default block size on CUDA)

@@ -24,7 +24,7 @@ from tvc.contract.freed import (
     holds,
     mark_meaning,
 )
-from tvc.plugin.error_hints import hint_prefix
+from tvc.core.error_hints import hint_prefix
 
 #: value written into the slots a synchronous load must fill, before the load:
 #: never a pattern value (those are integers in [-125, 125], see
@@ -400,7 +400,7 @@ class ConnectorWorker:
     Raises:
         ConnectorWorkerError: creating the connector or registering the KV
             caches failed; the message starts with the known cause where
-            :mod:`tvc.plugin.error_hints` knows it.
+            :mod:`tvc.core.error_hints` knows it.
         tvc.contract.distributed.DistributedSetupError: vLLM's distributed
             environment cannot be set up in this process.
 
@@ -839,7 +839,7 @@ class ConnectorWorker:
 
         Raises:
             ConnectorWorkerError: a connector call raised an error whose cause
-                :mod:`tvc.plugin.error_hints` knows; the message starts with it and
+                :mod:`tvc.core.error_hints` knows; the message starts with it and
                 names
                 the call. Any other exception propagates as raised, with a note
                 naming the call.

@@ -63,11 +63,11 @@ _IMPORT_DEFER = run_control.defer_while_plugins_load()
 if TYPE_CHECKING:
     from tvc.config import known_failures
     from tvc.config.depth import Depth
+    from tvc.core import run_store
     from tvc.env import hardware
     from tvc.plugin import report as reporting
     from tvc.plugin import session
     from tvc.plugin.report import RunReport
-    from tvc.store import run_store
 
 # the fixtures and the error report of an unsupported vLLM, registered in suite runs
 SUITE_PLUGINS = (
@@ -89,15 +89,15 @@ def _load_machinery(config: pytest.Config) -> None:
 
     Binds the module names the hooks use: :mod:`tvc.plugin.session`,
     :mod:`tvc.plugin.report` (as ``reporting``), :mod:`tvc.config.known_failures`,
-    :mod:`tvc.env.hardware` and :mod:`tvc.store.run_store`; then registers
+    :mod:`tvc.env.hardware` and :mod:`tvc.core.run_store`; then registers
     :data:`SUITE_PLUGINS` (each once per config; a ``-p no:NAME`` still blocks one).
     """
     global hardware, known_failures, reporting, run_store, session
     from tvc.config import known_failures
+    from tvc.core import run_store
     from tvc.env import hardware
     from tvc.plugin import report as reporting
     from tvc.plugin import session
-    from tvc.store import run_store
 
     for name in SUITE_PLUGINS:
         config.pluginmanager.import_plugin(name)
@@ -738,7 +738,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Controller: keep every phase report for the run's timeline (tvc.plugin.timeline).
+    """Controller: keep every phase report for the run's timeline (tvc.core.timeline).
 
     The innermost suite config of the process gets it (pytester runs nest).
     """
@@ -779,14 +779,14 @@ def _name_bare_assert(call: pytest.CallInfo[Any], report: pytest.TestReport) -> 
     pytest rewrites the suite's own asserts (they carry a message); an ``assert``
     inside a connector or vLLM carries none, so the one-line message (summary,
     JUnit) would be the bare type. It names the innermost frame and its source
-    line instead (:func:`tvc.plugin.error_hints.describe_failure`).
+    line instead (:func:`tvc.core.error_hints.describe_failure`).
     """
     exc = call.excinfo.value if call.excinfo is not None else None
     crash = getattr(report.longrepr, "reprcrash", None)
     if not (report.failed and isinstance(exc, AssertionError) and crash is not None
             and not str(exc).strip()):
         return
-    from tvc.plugin.error_hints import describe_failure
+    from tvc.core.error_hints import describe_failure
 
     crash.message = f"AssertionError: {describe_failure(exc)}"
 
@@ -1089,7 +1089,7 @@ def _write_reports(config: pytest.Config, rep: RunReport, exitstatus: int) -> in
         sys.stderr.write(f"tvc: summary.json not written: {exc}\n")
         return exitstatus
     try:  # where the time went: servers and tests (timeline.json, charts/)
-        from tvc.plugin.timeline import test_spans, write_run_timeline
+        from tvc.core.timeline import test_spans, write_run_timeline
 
         run = config.stash[_RUN]
         write_run_timeline(rep.run_dir, test_spans(run.get("reports", [])),

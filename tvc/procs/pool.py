@@ -28,7 +28,7 @@ environment (:meth:`tvc.procs.vllm_server.VllmServer.spec_key`). The pool
   returns the one already there) and stops it after its last planned user
   (:meth:`ServerPool.release`);
 - records every server's queue, start, ready and stop in a
-  :class:`tvc.plugin.timeline.Timeline`.
+  :class:`tvc.core.timeline.Timeline`.
 
 Works without pytest; :mod:`tvc.fixtures.vllm` wires it into a run.
 """
@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from tvc.plugin.timeline import Timeline
+from tvc.core.timeline import Timeline
 from tvc.procs.client import ServerError
 from tvc.procs.polling import PollTimeout, wait_until
 

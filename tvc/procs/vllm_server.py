@@ -46,12 +46,12 @@ from typing import Any
 import psutil
 import requests
 
-from tvc.plugin.error_hints import hint_prefix
+from tvc.core.error_hints import hint_prefix
+from tvc.core.run_store import isolate_store_paths
 from tvc.procs.client import ServerError, VllmClient
 from tvc.procs.polling import PollTimeout, wait_until
 from tvc.procs.process import alive, family, stop_tree
 from tvc.procs.server_env import NO_TELEMETRY_ENV, server_environ
-from tvc.store.run_store import isolate_store_paths
 
 VLLM_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
@@ -506,7 +506,7 @@ class VllmServer:
             self._remember_family()
             rc = proc.poll()
             if rc is not None:
-                recent = self.log_tail(400)  # known causes (tvc/plugin/error_hints.py)
+                recent = self.log_tail(400)  # known causes (tvc/core/error_hints.py)
                 recent = recent[recent.rfind("\n=== ") + 1:]  # this start only
                 raise ServerError(
                     f"{hint_prefix(recent)}vLLM server exited with code {rc} after "
@@ -621,7 +621,7 @@ def profile_server(profile: Any, model: str | os.PathLike[str], log_path: Path,
             Store paths inside the profile's scratch directory (or a
             test-device folder) in the ``kv_transfer_config`` used (the
             profile's or an override) are moved to this session's store folder
-            (:func:`tvc.store.run_store.isolate_store_paths`): every server of the
+            (:func:`tvc.core.run_store.isolate_store_paths`): every server of the
             session shares it, a restart keeps it, the session's end removes it.
             A connector server (one with a ``kv_transfer_config``) logs at the
             profile's ``connector.hit_log_level`` (``VLLM_LOGGING_LEVEL``, read by

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tvc.config.profile import REPO_ROOT
-from tvc.store import run_store
+from tvc.core import run_store
 
 ALIGN = 4096  # bytes: O_DIRECT and GDS alignment (GPU page size, per kvikio's docs)
 POSIX_CHUNK = 16 << 20  # bytes per O_DIRECT bounce buffer in the POSIX adapter
@@ -143,7 +143,7 @@ def create_pool(file: Path, pool_bytes: int) -> None:
     """Create (or grow) ``file`` to ``pool_bytes`` rounded up to ALIGN, allocated.
 
     The suite only writes and removes pools it made: a new pool gets an ownership
-    marker (:func:`tvc.store.run_store.mark_file_owned`), a missing folder is made with
+    marker (:func:`tvc.core.run_store.mark_file_owned`), a missing folder is made with
     one; an existing file without the marker is refused (inside ``<repo>/.scratch``,
     the suite's own area, a pool from before markers is adopted).
 

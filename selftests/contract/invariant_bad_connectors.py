@@ -90,6 +90,8 @@ class AppendsTableOnResumeConnector(SyncPanelConnector):
             self._block_ids[request.request_id] = old
 
     def _note_blocks(self, rid: str, block_ids: list[int], resumed: bool) -> None:
+        if resumed and self._block_ids.get(rid) == block_ids:
+            return  # a new request: the table update_state_after_alloc was given
         super()._note_blocks(rid, block_ids, resumed=False)
 
 

@@ -206,13 +206,20 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
 
     """
     try:
+        fd = -1
         if fresh:
             path = _create_fresh(path)
         else:
+            lock = path / LOCK_NAME
+            if path.is_dir() and not path.is_symlink() and lock.is_file() and (
+                    not lock.is_symlink()):  # a run in it says so before its files do
+                fd = _lock(path)
             why = check_run_dir(path)
             if why:
+                release(fd)
                 raise RunFolderUnusable(why)
-        fd = _lock(path)
+        if fd < 0:
+            fd = _lock(path)
     except OSError as exc:
         raise RunFolderUnusable(f"{path} cannot be created or written "
                                 f"({_why(exc)})") from None

@@ -128,6 +128,14 @@ def run_suite(args: Sequence[str], report_dir: Path,
                     summary=summary, report_dir=Path(report_dir))
 
 
+#: self-test files of long, independent tests (each runs the suite in a fresh
+#: process, no module-scoped fixture): under ``-n N`` their tests spread over the
+#: workers instead of holding one worker for the whole file
+SPREAD = frozenset(f"selftests/contract/{name}.py" for name in (
+    "test_panel_connectors", "test_worker_report", "test_invariant_bad_connectors",
+    "test_exploration_seeds", "test_exploration", "test_scenario_bad_connectors",
+    "test_bad_connectors"))
+
 if importlib.util.find_spec("xdist") is not None:
 
     @pytest.hookimpl(optionalhook=True)  # -p no:xdist leaves the hook unknown
@@ -148,7 +156,7 @@ if importlib.util.find_spec("xdist") is not None:
             return None
         from tvc.plugin.run_control import make_scheduler
 
-        sched = make_scheduler(config, log, by_file=True)
+        sched = make_scheduler(config, log, by_file=True, spread=SPREAD)
         if sched is not None:
             return sched
         from xdist.scheduler import LoadFileScheduling

@@ -139,7 +139,8 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         module: the connector module (this folder is on PYTHONPATH).
         rule: the profile's hit-rule lines (default: ``hit_rule`` = :data:`RULE`).
         devices: the ``worker_devices`` line ("" leaves the default).
-        select: pytest arguments choosing the tests (default: the whole tier).
+        select: pytest arguments choosing the tests (volume 1000); default:
+            the whole tier at ``--tvc-depth=quick``.
 
     Returns:
         the :class:`SuiteRun`.
@@ -152,10 +153,14 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
                                    rule=rule, devices=devices, tp=tp or [1],
                                    pp=pp or [1],
                                    scratch=tmp_path / "scratch"))
-    env = {"TVC_SCENARIO_VOLUME": "1000",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO_ROOT),
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(REPO_ROOT),
                                           os.environ.get("PYTHONPATH", "")])}
-    args = select or ["suites/contract", "-m", "contract", "-n", "2"]
+    if select:
+        env["TVC_SCENARIO_VOLUME"] = "1000"
+        args = select
+    else:  # the whole tier at quick depth: test_exploration_seeds explores
+        # every member over its seeds; the volume scenario runs 200 prompts
+        args = ["suites/contract", "-m", "contract", "-n", "2", "--tvc-depth=quick"]
     return run_suite([*args, f"--tvc-profile={prof}"],
                      tmp_path / "report", env=env, timeout_s=900)
 

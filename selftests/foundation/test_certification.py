@@ -204,3 +204,24 @@ def test_junit_keys_match_pytests_writer() -> None:
     assert cert.junit_key("suites/e2e/test_x.py::test_y[a-b::c]") == (
         "suites.e2e.test_x::test_y[a-b::c]")
     assert cert.junit_key("s/t.py::C::test") == "s.t.C::test"
+
+
+@pytest.mark.parametrize(("need", "levels", "status"), [
+    ("gpu2", ["gpu"], "n/a"),  # a gloo variant on a one-GPU CUDA host
+    ("gpu2", ["gpu", "gpu2"], "refused"),  # the profile claims two GPUs
+    ("gpu", ["gpu"], "refused"),
+    ("nvme", ["gpu"], "n/a"),
+    ("nvme", ["gpu", "nvme"], "refused"),
+])
+def test_a_skip_for_hardware_outside_the_levels_is_not_required(
+        need: str, levels: list[str], status: str) -> None:
+    """A ``hw_any`` test that skips for a level the certification does not claim
+    is outside it, as the tests marked with that level are; one the
+    certification claims is refused."""
+    entry = {"outcome": "skipped", "missing_hardware": need,
+             "message": f"missing hardware ({need}): this host has 1 CUDA device(s)"}
+    got, note = cert.judge(entry, "", "", levels)
+    assert got == status, note
+    if status == "n/a":
+        assert note.startswith(f"needs {need}, a level this certification does "
+                               "not claim"), note

@@ -528,7 +528,8 @@ def test_bandwidth_grades_have_one_home() -> None:
     ('fault_injector = "no_colon"', r"connector\.fault_injector: 'no_colon' must be "
                                     r"empty, or 'module:function'"),
     ('worker_report = "stand-in"', r"connector\.worker_report: 'stand-in' must be "
-                                   r"empty, \"standin\", \"real-only\", or 'module:function'"),
+                                   r"empty, \"standin\", \"real-only\", or "
+                                   r"'module:function'"),
     ('hit_log_level = "LOUD"', r"connector\.hit_log_level: 'LOUD' is not one of "
                                "DEBUG, INFO"),
     ('[vllm]\ntensor_parallel_sizes = []', r"vllm\.tensor_parallel_sizes: \[\] must"),

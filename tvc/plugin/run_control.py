@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -182,8 +182,8 @@ def read_hw_levels(folder: Path) -> dict[str, str]:
     return out
 
 
-def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False
-                   ) -> Any:
+def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False,
+                   spread: Collection[str] = ()) -> Any:
     """The xdist scheduler: GPU owners as one unit on one worker, the rest balanced.
 
     A ``LoadGroupScheduling`` (xdist's load balancing over scopes) in which every
@@ -195,6 +195,8 @@ def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False
         config: the controller's config (holds :data:`OWNERS_DIR`).
         log: xdist's scheduler log.
         by_file: scope the other tests by file.
+        spread: with ``by_file``, files whose tests are each their own scope
+            (long, independent tests: one file would hold one worker).
 
     Returns:
         the scheduler, or None when the plugin set up no owners folder.
@@ -220,7 +222,7 @@ def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False
                 self._owners = read_owner_ids(folder)
             if nodeid in self._owners:
                 return self._owners[nodeid]
-            if by_file:
+            if by_file and nodeid.split("::", 1)[0] not in spread:
                 return nodeid.split("::", 1)[0]
             return super()._split_scope(nodeid)
 

@@ -125,14 +125,18 @@ def required(collected: Mapping[str, str], levels: Iterable[str]) -> list[str]:
     return sorted(n for n, lvl in collected.items() if lvl in keep)
 
 
-def judge(entry: Mapping[str, Any] | None, known: str, deselected: str
-          ) -> tuple[str, str]:
+def judge(entry: Mapping[str, Any] | None, known: str, deselected: str,
+          levels: Iterable[str]) -> tuple[str, str]:
     """One test of the set: ``(status, note)``; status ``ok``, ``n/a`` or ``refused``.
 
     Args:
         entry: its ``summary.json`` entry, or None when the run has none.
         known: the profile's known-defect reason for it ('' when none).
         deselected: how the run's user deselected tests ('' when none).
+        levels: the certified hardware levels: a skip for missing hardware of
+            another level (a ``hw_any`` gloo variant that needs ``gpu2`` on a
+            CUDA host with one GPU) is outside the certification, as the tests
+            marked with that level are.
 
     """
     if entry is None:
@@ -144,7 +148,11 @@ def judge(entry: Mapping[str, Any] | None, known: str, deselected: str
     if o == "xfailed":
         return (("ok", f"known defect: {known}") if known else (
             "refused", "xfailed, but the profile lists no known defect for it"))
-    if o == "skipped" and entry.get("missing_hardware"):
+    need = entry.get("missing_hardware")
+    if o == "skipped" and need and need not in {"any", *levels}:
+        return "n/a", (f"needs {need}, a level this certification does not claim: "
+                       f"{msg[:300]}")
+    if o == "skipped" and need:
         return "refused", (f"skipped: missing hardware "
                            f"({entry['missing_hardware']}): {msg[:300]}")
     if o == "skipped":
@@ -178,7 +186,8 @@ def build(summary: Mapping[str, Any], summary_bytes: bytes,
     ids = required(collected, levels)
     results, problems = [], []
     for n in ids:
-        status, note = judge(tests.get(n), known_defect(profile, n, vllm), why)
+        status, note = judge(tests.get(n), known_defect(profile, n, vllm), why,
+                             levels)
         results.append({"nodeid": n, "status": status, "note": note,
                         "outcome": (tests.get(n) or {}).get("outcome", "absent")})
         if status == "refused":
@@ -325,7 +334,8 @@ def check(doc: Mapping[str, Any], summary: Mapping[str, Any] | None,
         "deselected") or () if not str(d.get("why", "")).startswith("[")}))
     cases = junit_outcomes(junit) if junit else None
     for n in ids:  # judged again from summary.json, not taken from the file
-        status, note = judge(tests.get(n), known_defect(profile, n, vllm), why)
+        status, note = judge(tests.get(n), known_defect(profile, n, vllm), why,
+                             (doc.get("hardware") or {}).get("levels") or ())
         if status == "refused":
             out.append(f"{n}: {note}")
         elif cases is not None and (tests.get(n) or {}).get("outcome") == "passed":

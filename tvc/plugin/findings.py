@@ -235,7 +235,15 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "corrupt",
         r"",
         r"does not hold the KV that was stored for it"
-        r"|the KV the connector loaded (is wrong|differs)",
+        r"|the KV the connector loaded (is wrong|differs|is not the KV)"
+        r"|the connector loaded after vLLM's local hit of \d+ tokens is wrong"
+        r"|the KV loaded while several requests load at once is wrong"
+        r"|loaded KV of tokens \[\d+, \d+\) is not at the right slots"
+        r"|differ between baseline \(no connector\) and pass 2 \(load failed, "
+        r"recomputed\)"
+        # its writes land at the wrong offsets of the packed tensor, blocks
+        # vLLM had free among them
+        r"|block\(s\) written while vLLM had them free",
         "H200, vLLM 0.26.0, lmcache 0.5.3: LMCache logs 'Retrieved 768 out of 768 "
         "required tokens', pass 2 differs from pass 1 at token 0 (top-2 gap "
         "0.1-0.7 nats), on the V2 and the V1 model runner (2026-12); vLLM PR "
@@ -245,6 +253,33 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         connector="LMCacheConnectorV1",
         link="https://github.com/LMCache/LMCache/issues/4463",
         vllm=">=0.26,<0.27", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-cache-salt",
+        "LMCache's in-process connector keys its chunks by token ids only: a "
+        "prompt under another cache_salt (tenant) hits the first tenant's KV",
+        r"test_tenant_isolation|test_contract_holds_over_explored_event_sequences"
+        r"\[tenants\]",
+        r"tenant isolation|invariant 'no hit across tenants or adapters' broken",
+        "H200, vLLM 0.26.0, lmcache 0.5.3 (2026-12-04): the same 521 tokens "
+        "under another cache_salt matched 512 external tokens, expected 0",
+        "lmcache 0.5.6 lmcache/integration/vllm/vllm_v1_adapter.py "
+        "get_num_new_matched_tokens (L1360; the file never reads cache_salt; "
+        "its multi-process adapter, lmcache_mp_metadata.py, does)",
+        connector="LMCacheConnectorV1", vllm=">=0.26", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-skip-reading",
+        "a request that must not read cached KV (prompt_logprobs, "
+        "skip_reading_prefix_cache) is served from LMCache: vLLM 0.26/0.28's "
+        "scheduler uses the connector's answer as is",
+        r"test_request_that_must_not_read_cached_kv_gets_a_miss",
+        r"the connector ignores Request\.skip_reading_prefix_cache",
+        "H200, vLLM 0.26.0, lmcache 0.5.3 (2026-12-04): a stored 521-token "
+        "prompt replayed with prompt_logprobs started with 512 tokens counted "
+        "as computed",
+        "lmcache 0.5.6 lmcache/integration/vllm/vllm_v1_adapter.py "
+        "get_num_new_matched_tokens (L1360; skip_reading_prefix_cache is never "
+        "read)",
+        connector="LMCacheConnectorV1", vllm=">=0.26,<0.33", package="lmcache>=0.5.3"),
     KnownDefect(
         "lmcache-prompt-embeds-typeerror",
         "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "

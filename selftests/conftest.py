@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -34,6 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The signal self-tests send SIGINT/SIGHUP to suite runs they start: a run
+# launched in the background of a non-interactive shell (or under nohup) inherits
+# both as ignored, and so would every run it starts. Give them their default
+# actions back here (before xdist starts its workers), so those tests see what a
+# terminal or CI runner does, whatever started this run.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -142,7 +142,7 @@ def test_summary_rerenders_the_page_and_prints_the_verdict(tmp_path, capsys
     assert cli.main(["summary", str(green)]) == 0
     # a run of two tiers says so (tvc.report.scope)
     assert capsys.readouterr().out.startswith(
-        "PASS (scope, level1 and contract only): 3 passed, 0 skipped")
+        "PASS (partial run, level1 and contract only): 3 passed, 0 skipped")
 
 
 # -------------------------------------------------------------------- merge

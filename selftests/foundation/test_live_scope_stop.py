@@ -177,6 +177,25 @@ def test_each_stop_reason_is_named(pytester, run, body, args, kind, reason) -> N
         assert md.startswith("# Conformance run: FAIL"), md[:100]
 
 
+def test_a_collection_error_is_named_never_ctrl_c(pytester, run) -> None:
+    """pytest stops on a collection error with its ``Interrupted`` (a
+    KeyboardInterrupt): the run says so, not "interrupted by Ctrl-C"."""
+    pytester.makepyfile(test_ok="""
+        import pytest
+
+        pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
+
+        def test_fine():
+            pass
+        """, test_broken="def test_x(:\n    pass\n")
+    res, summary, _ = run("test_ok.py", "test_broken.py")
+    stop = summary["run"]["stop"]
+    assert stop["kind"] == "collection", stop
+    assert stop["reason"].startswith("stopped: 1 error during collection"), stop
+    assert "Ctrl-C" not in summary["run"]["outcome_reason"], summary["run"]
+    res.stdout.fnmatch_lines(["tvc: * stopped: 1 error during collection*"])
+
+
 @needs_xdist
 @pytest.mark.parametrize(("body", "args", "kind", "reason"), [
     ("assert 0, 'red'", ["--maxfail=1"], "maxfail",

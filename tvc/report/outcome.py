@@ -26,6 +26,7 @@ OUTCOME_BY_EXIT = {0: "passed", 1: "failed", 2: "interrupted", 3: "internal_erro
                    4: "usage_error", 5: "no_tests"}
 _MAXFAIL = re.compile(r"stopping after (\d+) failures?")
 _SESSION_TIMEOUT = re.compile(r"session-timeout: ([\d.]+) sec")
+_COLLECTION = re.compile(r"(\d+) errors? during collection")
 
 
 def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
@@ -45,7 +46,8 @@ def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
 
     Returns:
         ``{"kind", "reason"}``: ``maxfail``, ``timeout``, ``watchdog``,
-        ``signal``, ``exit``, ``ctrl_c``; ``{}`` for a run that was not stopped.
+        ``signal``, ``exit``, ``collection``, ``ctrl_c``; ``{}`` for a run that
+        was not stopped.
 
     """
     if m := _MAXFAIL.search(message):
@@ -64,6 +66,12 @@ def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
         return {"kind": "signal", "reason": f"terminated by {signal}"}
     if exit_message:
         return {"kind": "exit", "reason": f"stopped by pytest.exit(): {exit_message}"}
+    if m := _COLLECTION.search(message):  # pytest's Interrupted, no Ctrl-C
+        n = int(m[1])
+        return {"kind": "collection", "reason": f"stopped: {n} error"
+                f"{'s' if n != 1 else ''} during collection (the ERROR lines name "
+                "the file; a path option given with a space, --tvc-profile PATH, is "
+                "read as a test path: give it with '=')"}
     if interrupted or "keyboard-interrupt" in message:
         return {"kind": "ctrl_c", "reason": "interrupted by Ctrl-C"}
     if message:

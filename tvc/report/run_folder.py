@@ -162,8 +162,13 @@ def _create_fresh(base: Path) -> Path:
     raise FileExistsError(errno.EEXIST, f"{base} and 999 more names are taken")
 
 
-def _lock(path: Path) -> int:
-    """Take the folder's lock (held by the returned descriptor)."""
+def _lock(path: Path, stamp: bool = True) -> int:
+    """Take the folder's lock (held by the returned descriptor).
+
+    With ``stamp``, write this run's pid and start time into the lock file (the
+    message a second run shows); without, the file is left as it was (a folder
+    the checks may still refuse).
+    """
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o644)
     try:
@@ -180,10 +185,16 @@ def _lock(path: Path) -> int:
     except OSError:
         os.close(fd)
         raise
+    if stamp:
+        _stamp(fd)
+    return fd
+
+
+def _stamp(fd: int) -> None:
+    """Write this run's pid and start time into a held lock file."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "started_utc": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
-    return fd
 
 
 def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
@@ -213,11 +224,13 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
             lock = path / LOCK_NAME
             if path.is_dir() and not path.is_symlink() and lock.is_file() and (
                     not lock.is_symlink()):  # a run in it says so before its files do
-                fd = _lock(path)
+                fd = _lock(path, stamp=False)
             why = check_run_dir(path)
             if why:
                 release(fd)
                 raise RunFolderUnusable(why)
+            if fd >= 0:
+                _stamp(fd)
         if fd < 0:
             fd = _lock(path)
     except OSError as exc:

@@ -106,7 +106,7 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
         return {**out, "complete": True, "line": ""}  # no ladder to place it on
     missing = {lvl: c for lvl, c in missing.items() if lvl in claimed}
     out["complete"] = not (missing or absent or user)
-    name = "scope"
+    name = "partial run"  # all hardware there: tiers or tests left out
     if missing:  # named by what the box lacks (no GPU: CPU scope)
         name = SCOPE_NAME[next((lvl for lvl in HW_LEVELS if lvl in box
                                 and not box[lvl]), next(iter(missing)))]

@@ -142,9 +142,14 @@ def test_state_kept_across_a_preemption_is_red(cls: str, needles: tuple[str, ...
 
 def test_the_exploration_finds_a_block_table_kept_across_a_preemption(
         tmp_path: Path) -> None:
+    # a drawn sequence must resume a prefill that then saves a chunk the
+    # prefix cache did not hand back: seed 4 draws one (vLLM 0.28.0, rules
+    # without state preconditions; seed 3 meets the same fault as 'saves hold
+    # computed KV', seed 2 draws none; the family's fixed crowd sequence resumes
+    # on the blocks the prefix cache kept, where the kept table is still right)
     run = run_one(tmp_path, "AppendsTableOnResumeConnector",
                   ["suites/contract/test_exploration.py", "-m", "contract", "-k",
-                   "preemption", "--tvc-seed=1"], timeout_s=900)
+                   "preemption", "--tvc-seed=4"], timeout_s=900)
     t = run.test("test_contract_holds_over_explored_event_sequences[preemption]")
     msg = t.get("message") or ""
     assert t["outcome"] == "failed", (t, run.tail(3000))

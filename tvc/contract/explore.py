@@ -1261,10 +1261,11 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
         def crowd(self, replay_of: int | None) -> None:
             """Decoders ahead of a long prefill: preempted midway, resumed.
 
-            (Only on an idle engine: with requests running it does nothing.)
+            (On an idle engine: the requests running are drained first.)
             """
-            if self.ex is not None and not self.ex.rig.scheduler.requests:
-                self._do("crowd", replay_of)
+            if self.ex is not None and self.ex.rig.scheduler.requests:
+                self._do("drain")
+            self._do("crowd", replay_of)
 
         @rule(count=st.integers(1, 3))
         def step(self, count: int) -> None:
@@ -1327,7 +1328,14 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
       ``len = k * B + 1``), ``fault(kind, "matched")``, a replay of that
       prompt, ``finish()``;
     * family ``preemption``: an asynchronous load admitted behind a request
-      that holds no block, in the family's small pool (:func:`_stranded_load`).
+      that holds no block, in the family's small pool (:func:`_stranded_load`),
+      and two decoders ahead of a long prefill (:meth:`Explorer.crowd`): the
+      prefill is preempted midway and resumed on other blocks;
+    * family ``core``: the whole-prompt hit, where vLLM must still compute the
+      last token: a prompt of two whole chunks (``k * chunk`` tokens, whole
+      blocks) is stored and replayed exactly, so a lookup may match at most
+      ``len - 1`` tokens (the scheduler's ``num_computed_tokens = num_tokens -
+      1``), and a correct ``len - 1`` answer loads.
 
     Returns:
         how many sequences ran.
@@ -1338,6 +1346,17 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
 
     """
     ran = 0
+    if family.name == "core":
+        ex = new_explorer("recompute")
+        try:
+            ex.stats.examples += 1
+            ran += 1
+            with contextlib.suppress(KnownDefectReached):
+                ex.warm([(1, ex.chunk)])
+                ex.add(0, 1, replay_of=0, max_tokens=2)
+                ex.finish()
+        finally:
+            ex.close()
     if family.preemption:
         ex = new_explorer("recompute")
         try:
@@ -1345,6 +1364,15 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
             ran += 1
             with contextlib.suppress(KnownDefectReached):
                 _stranded_load(ex)
+        finally:
+            ex.close()
+        ex = new_explorer("recompute")  # a prefill preempted midway, resumed
+        try:
+            ex.stats.examples += 1
+            ran += 1
+            with contextlib.suppress(KnownDefectReached):
+                ex.crowd()
+                ex.finish()
         finally:
             ex.close()
     if not family.faults:

@@ -210,11 +210,15 @@ def test_stranded_finished_load_is_named_as_vllms() -> None:
         assert res["outcome"] == "green", res
 
 
-def _replay(script: Path) -> dict[str, Any]:
-    """Run a replay script in a fresh interpreter; its last line is JSON."""
+def _replay(script: Path, *path: Path) -> dict[str, Any]:
+    """Run a replay script in a fresh interpreter; its last line is JSON.
+
+    ``path``: folders put on PYTHONPATH before the repository (connectors).
+    """
     env = {k: v for k, v in os.environ.items()
            if k not in ("TVC_PROFILE", "TVC_SEED", "PYTEST_ADDOPTS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, path), str(REPO),
+                                         os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -222,3 +226,18 @@ def _replay(script: Path) -> dict[str, Any]:
         f"{script.name} did not run (exit {proc.returncode}):\n"
         f"{(proc.stdout + proc.stderr)[-4000:]}")
     return json.loads(lines[-1])
+
+
+def test_a_long_drain_that_progresses_is_not_a_stuck_load() -> None:
+    """A CI red of panel member chunked-256: a drain of more than ``max_steps``.
+
+    Every step made progress; the red said "requests still in the scheduler
+    after 200 steps: {}" (the 200th step had emptied it). A stall is what
+    counts (``EngineDriver.step_until_idle``); the replay's drain really
+    reaches the old limit, so the fix is exercised.
+    """
+    res = _replay(HERE / "replays" / "long_drain_chunked_256.py", HERE)
+    assert res["outcome"] == "green", res
+    # the old loop judged after max_steps steps even when the last one emptied
+    # the scheduler: a drain of max_steps steps or more was red
+    assert res["drain_steps"] >= res["max_steps"], res

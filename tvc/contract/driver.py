@@ -9,7 +9,7 @@ from __future__ import annotations
 import linecache
 import re
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -633,6 +633,35 @@ class EngineDriver:
             setattr(c, name, wrapper)
         c._tvc_wrapped = True
 
+    def step_until_idle(self, step: Callable[[], object] | None = None) -> bool:
+        """Step until no request is left, or until none progressed for a while.
+
+        A long workload is not a stall: the limit counts the steps in a row in
+        which no request computed a token or generated one and none left
+        (``max_steps``), with a hard cap of ``20 * max_steps`` steps in all
+        (a preemption loop that recomputes forever).
+
+        Args:
+            step: the step function (default :meth:`step`).
+
+        Returns:
+            True when the scheduler emptied; False when it stalled.
+
+        """
+        step = step or self.step
+        still = total = 0
+        last: object = None
+        while self.scheduler.requests:
+            if still >= self.max_steps or total >= 20 * self.max_steps:
+                return False
+            step()
+            total += 1
+            now = sorted((rid, q.num_computed_tokens, q.num_output_tokens)
+                         for rid, q in self.scheduler.requests.items())
+            still = still + 1 if now == last else 0
+            last = now
+        return True
+
     def run_until_idle(self, extra_steps: int = 4) -> None:
         """Step until no request is left, then a few empty steps (async jobs).
 
@@ -640,11 +669,7 @@ class EngineDriver:
             AssertionError: requests remain after ``max_steps`` steps.
 
         """
-        for _ in range(self.max_steps):
-            if not self.scheduler.requests:
-                break
-            self.step()
-        else:
+        if not self.step_until_idle():
             left = {r: str(q.status) for r, q in self.scheduler.requests.items()}
             if all(q.is_finished() for q in self.scheduler.requests.values()):
                 pool = self.scheduler.kv_cache_manager.block_pool
@@ -664,15 +689,17 @@ class EngineDriver:
                      if (n := sum(1 for a in self.matched.get(r, ()) if a[1])) > 2}
             if again:
                 raise AssertionError(
-                    f"requests still in the scheduler after {self.max_steps} steps: "
-                    f"{left}; vLLM asked the connector again and again for them "
+                    f"requests still in the scheduler after {self.max_steps} steps "
+                    f"without progress: {left}; vLLM asked the connector again "
+                    "and again for them "
                     f"(get_num_new_matched_tokens answers: {again}): each load "
                     "failed or never landed and the connector kept matching the "
                     "same entries — a connector must stop matching an entry whose "
                     "load it reported failed")
             raise AssertionError(
-                f"requests still in the scheduler after {self.max_steps} steps: "
-                f"{left} — a load or store never completed (the connector never "
+                f"requests still in the scheduler after {self.max_steps} steps "
+                f"without progress: {left} — a load or store never completed "
+                "(the connector never "
                 "reported it finished)")
         for _ in range(extra_steps):
             self.step()

@@ -862,11 +862,7 @@ class Explorer:
     def _drain(self, when: str) -> None:
         d = self.rig.driver
         try:
-            for _ in range(d.max_steps):
-                if not self.rig.scheduler.requests:
-                    break
-                self._step()
-            else:
+            if not d.step_until_idle(self._step):
                 left = {r: q.status.name
                         for r, q in self.rig.scheduler.requests.items()}
                 if left and all(q.is_finished() for q in
@@ -878,7 +874,7 @@ class Explorer:
                               "finished_sending never named them")
                 self.fail("every load finishes",
                           f"{when}: requests still in the scheduler after "
-                          f"{d.max_steps} steps: {left}")
+                          f"{d.max_steps} steps without progress: {left}")
             for _ in range(4):
                 self._step()
             assert_scheduler_empty_and_no_leaked_blocks(self.rig.scheduler)

@@ -163,3 +163,31 @@ def test_a_connector_vllm_does_not_know_fails_in_one_line(tmp_path) -> None:
     assert "refuses the profile's kv_transfer_config for NoSuchConnector" in (
         t["message"]), t["message"]
     assert "pydantic" not in t["message"] and "input_value" not in t["message"]
+
+
+def test_a_class_missing_from_its_module_fails_once_naming_the_key(tmp_path) -> None:
+    """``[connector] name`` misspelt for an out-of-tree module: the first contract
+    test errors naming the key and the module's connector classes, the others
+    skip pointing at it (vLLM's bare AttributeError in every test before)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "my_conn.py").write_text(
+        "from vllm.distributed.kv_transfer.kv_connector.v1.example_connector "
+        "import ExampleConnector\n\n\nclass MyConnector(ExampleConnector):\n"
+        "    pass\n")
+    prof = tmp_path / "typo.toml"
+    prof.write_text('[profile]\nname = "typo"\n'
+                    '[connector]\nname = "MyConector"\nmodule_path = "my_conn"\n'
+                    f'[scratch]\ndir = "{tmp_path}/scratch"\n')
+    run = run_suite(["suites/contract/test_scenarios.py", "-m", "contract", "-k",
+                     "cpu and (preemption_and_resume or granularity)",
+                     f"--tvc-profile={prof}"], tmp_path / "r",
+                    env={"PYTHONPATH": fakes.pythonpath(pkg)})
+    assert run.summary is not None, run.tail()
+    outcomes = sorted(t["outcome"] for t in run.summary["tests"])
+    assert outcomes == ["error", "skipped"], (outcomes, run.tail())
+    err = next(t for t in run.summary["tests"] if t["outcome"] == "error")
+    assert ("[connector] name = 'MyConector' of profile 'typo' is not a class in "
+            "module 'my_conn'") in err["message"], err["message"]
+    assert "(there: MyConnector)" in err["message"], err["message"]
+    assert "AttributeError" not in run.stdout, run.tail()

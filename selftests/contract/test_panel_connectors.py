@@ -140,7 +140,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         rule: the profile's hit-rule lines (default: ``hit_rule`` = :data:`RULE`).
         devices: the ``worker_devices`` line ("" leaves the default).
         select: pytest arguments choosing the tests (volume 1000); default:
-            the whole tier at ``--tvc-depth=quick``.
+            the whole tier at ``--tvc-depth=quick``, 3 explored sequences.
 
     Returns:
         the :class:`SuiteRun`.
@@ -158,9 +158,12 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
     if select:
         env["TVC_SCENARIO_VOLUME"] = "1000"
         args = select
-    else:  # the whole tier at quick depth: test_exploration_seeds explores
-        # every member over its seeds; the volume scenario runs 200 prompts
-        args = ["suites/contract", "-m", "contract", "-n", "2", "--tvc-depth=quick"]
+    else:  # the whole tier at quick depth, the volume scenario at 200 prompts;
+        # the exploration runs its fixed sequences and 3 drawn ones per family
+        # (a new seed each run): test_exploration_seeds explores every member
+        # over fixed seeds besides
+        args = ["suites/contract", "-m", "contract", "-n", "2", "--tvc-depth=quick",
+                "--tvc-explore-examples=3"]
     return run_suite([*args, f"--tvc-profile={prof}"],
                      tmp_path / "report", env=env, timeout_s=900)
 

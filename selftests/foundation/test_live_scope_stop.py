@@ -241,3 +241,21 @@ def test_a_long_never_ran_list_is_printed_once(tmp_path: Path) -> None:
     assert section.count("test_a[cpu-0]") == 1 and section.count("test_c") == 1
     assert "`test_a[cpu-6, cpu-7," in section and "`test_b[cpu-0, " in section
     assert "every test" not in section
+
+
+def test_failures_page_is_readable_like_the_other_pages(tmp_path: Path) -> None:
+    """``failures.md`` is written through a temporary file (mkstemp: mode 0600);
+    it gets the mode the umask gives ``summary.md``, not a private one."""
+    from tvc.report.live import LiveReds
+
+    old = os.umask(0o022)
+    try:
+        live = LiveReds(tmp_path, "profile example")
+        live.add("suites/contract/test_s.py::test_a", "failed", "boom")
+        (tmp_path / "summary.md").write_text("x")
+    finally:
+        os.umask(old)
+    page = tmp_path / "failures.md"
+    assert "boom" in page.read_text()
+    assert page.stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "summary.md").stat().st_mode & 0o777 == 0o644

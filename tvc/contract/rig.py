@@ -301,6 +301,34 @@ def adapter_missing_reason(profile: Profile) -> str:
             "level1 test_connector_resolves reports the same as a failure.")
 
 
+def class_missing_reason(profile: Profile) -> str:
+    """Why ``connector.name`` is no class of ``module_path`` ('' if it is one).
+
+    vLLM would raise a bare ``AttributeError`` in every test. A module that
+    fails to import is left to level1 ``test_connector_resolves``; an in-tree
+    name vLLM does not know is refused by vLLM's config (its own message).
+    """
+    import importlib
+
+    name = profile["connector"]["name"]
+    mod = profile["connector"]["module_path"]
+    if not mod:
+        return ""
+    try:
+        module = importlib.import_module(mod)
+    except Exception:  # noqa: BLE001 - reported by level1, not here
+        return ""
+    if hasattr(module, name):
+        return ""
+    have = sorted(n for n, v in vars(module).items()
+                  if isinstance(v, type) and n.endswith("Connector")
+                  and getattr(v, "__module__", "") == module.__name__)
+    return (f"[connector] name = {name!r} of profile {profile.name!r} is not a "
+            f"class in module {mod!r}, so no contract test can build it. Fix: set "
+            "[connector] name to the connector's class"
+            + (f" (there: {', '.join(have)})" if have else ""))
+
+
 def register_hypothesis_profile() -> None:
     """Register ``tvc-ci``: derandomized, bounded, prints the reproduce blob."""
     from hypothesis import HealthCheck, settings

@@ -98,6 +98,10 @@ class LiveReds:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
+            # mkstemp makes 0600; the page is read like the others (umask)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
             os.replace(tmp, self.path)
         except OSError:
             with contextlib.suppress(OSError):

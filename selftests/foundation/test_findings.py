@@ -158,6 +158,23 @@ def test_the_rerun_command_carries_the_runs_pythonpath() -> None:
     assert findings(tests, PROFILE, seed=7)[0]["rerun"].startswith("pytest ")
 
 
+def test_the_rerun_command_keeps_the_runs_depth() -> None:
+    """A red of a ``--tvc-depth=quick`` run reruns at that depth, with its
+    explored-sequence count and volume where they were not the depth's own
+    (fresh-user finding: the rerun went back to standard depth)."""
+    tests = [_t("suites/contract/test_x.py::test_y", "boom")]
+    quick = {"name": "quick", "explore_examples": 10, "scenario_volume": 200}
+    got = findings(tests, PROFILE, seed=7, depth=quick)[0]["rerun"]
+    assert got.endswith("--tvc-seed=7 --tvc-depth=quick"), got
+    odd = {"name": "quick", "explore_examples": 3, "scenario_volume": 1000}
+    got = findings(tests, PROFILE, seed=7, depth=odd)[0]["rerun"]
+    assert got.startswith("TVC_SCENARIO_VOLUME=1000 pytest "), got
+    assert got.endswith("--tvc-depth=quick --tvc-explore-examples=3"), got
+    standard = {"name": "standard", "explore_examples": 30, "scenario_volume": 1000}
+    got = findings(tests, PROFILE, seed=7, depth=standard)[0]["rerun"]
+    assert got.endswith("--tvc-seed=7"), got
+
+
 def test_wrong_kv_after_a_local_hit_is_the_tutti_finding_only_there() -> None:
     """Seen on the H200: the local-then-external red and the wave red (every
     request admitted after the first of its prefix group) are Tutti's load-start

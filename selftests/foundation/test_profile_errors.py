@@ -97,3 +97,14 @@ def test_profile_outside_the_repo_with_equals_form(tmp_path: Path) -> None:
     profile.write_text(CASES["wrong_type"][0])
     run = run_suite([f"--tvc-profile={profile}"], tmp_path / "r")
     _assert_one_line_usage_error(run, ("bandwidth.num_disks",), str(profile))
+
+
+def test_a_folder_given_as_profile_says_it_is_a_folder(tmp_path: Path) -> None:
+    """A folder is not "not found": the line says what it is and lists its
+    .toml files."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    (folder / "mine.toml").write_text(GOOD_HEAD)
+    run = run_suite([ANCHOR, f"--tvc-profile={folder}"], tmp_path / "r")
+    _assert_one_line_usage_error(
+        run, ("is a folder, not a profile file", "(there: mine.toml)"), f"'{folder}'")

@@ -420,6 +420,12 @@ def resolve_path(selector: str | None) -> Path:
         path = Path(expanded)
         _check_path_length(path, f"profile {shorten(sel)}")
         if not _is_file(path, f"profile {shorten(sel)}"):
+            if path.is_dir():
+                tomls = sorted(p.name for p in path.glob("*.toml"))[:5]
+                raise ProfileError(
+                    f"{shorten(str(path))}: is a folder, not a profile file: give "
+                    "the path of one .toml file"
+                    + (f" (there: {', '.join(tomls)})" if tomls else ""))
             raise ProfileError(f"{shorten(str(path))}: profile file not found")
         try:
             return path.resolve()

@@ -306,7 +306,8 @@ CATALOGUE: tuple[KnownDefect, ...] = (
 def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
              seed: Any = None, pythonpath: str = "",
              require: Iterable[str] = (),
-             versions: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+             versions: Mapping[str, str] | None = None,
+             depth: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The findings of a run, from its ``summary.json`` test entries.
 
     Args:
@@ -320,6 +321,9 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
         versions: distribution -> version of the run (``vllm`` and the
             connector's package); a catalogued defect of other versions is not
             matched (:meth:`KnownDefect.applies_to`).
+        depth: the run's depth (``run.depth`` of ``summary.json``): a depth
+            other than the default, an explored-sequence count or a volume other
+            than the depth's own, stay in the rerun command.
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -330,6 +334,7 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
     """
     prof = str(profile.get("source") or profile.get("name") or "")
     levels = ",".join(sorted(require))
+    opts, env = _depth_options(depth)
     out: dict[str, dict[str, Any]] = {}
     for t in tests:
         if t.get("outcome") not in ("failed", "error", "xfailed"):
@@ -346,13 +351,14 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             rerun.append(f"--tvc-seed={seed}")
         if levels:
             rerun.append(f"--tvc-require={levels}")
+        rerun += opts
         entry = out.setdefault(key, {
             "key": known.key if known else "test",
             "title": known.title if known else f"{nodeid} {t.get('outcome')}",
             "tests": [], "outcome": t.get("outcome"), "message": msg[:2000],
             # an assignment word must stay unquoted before "=" for the shell
-            "rerun": (f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath
-                      else "") + shlex.join(rerun),
+            "rerun": env + (f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath
+                            else "") + shlex.join(rerun),
             "reproduction": known.reproduction if known else "",
             "source": known.source if known else "",
             "link": known.link if known else "",
@@ -494,3 +500,19 @@ def causes(tests: Iterable[Mapping[str, Any]], found: Iterable[Mapping[str, Any]
         entry["tests"].append(nodeid)
         entry["names"].append(str(name(t)))
     return sorted(out.values(), key=lambda e: (-len(e["tests"]), e["key"]))
+
+
+def _depth_options(depth: Mapping[str, Any] | None) -> tuple[list[str], str]:
+    """The rerun's depth options and environment words (``--tvc-depth`` ...)."""
+    from tvc.config.depth import DEFAULT, DEPTHS
+
+    if not depth or depth.get("name") not in DEPTHS:
+        return [], ""
+    own = DEPTHS[str(depth["name"])]
+    opts = [] if own.name == DEFAULT else [f"--tvc-depth={own.name}"]
+    if depth.get("explore_examples") not in (None, own.explore_examples):
+        opts.append(f"--tvc-explore-examples={depth['explore_examples']}")
+    vol = depth.get("scenario_volume")
+    env = f"TVC_SCENARIO_VOLUME={vol} " if vol not in (None, own.scenario_volume) \
+        else ""
+    return opts, env

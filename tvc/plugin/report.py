@@ -213,7 +213,8 @@ class RunReport:
         """The command that reruns one test (as the findings say it)."""
         run = self.meta.get("run", {})
         found = findings([entry], self.meta.get("profile", {}), run.get("seed"),
-                         os.environ.get("PYTHONPATH", ""), run.get("require") or ())
+                         os.environ.get("PYTHONPATH", ""), run.get("require") or (),
+                         depth=run.get("depth"))
         return str(found[0]["rerun"]) if found else ""
 
     def would_skip(self) -> None:
@@ -298,7 +299,7 @@ class RunReport:
             versions[str(pkg["name"])] = str(pkg["version"])
         summary["findings"] = findings(summary["tests"], prof, run.get("seed"),
                                        run["pythonpath"], run.get("require") or (),
-                                       versions)
+                                       versions, run.get("depth"))
         run["outcome_reason"] = outcome_reason(summary)
         summary["scope"] = scope(summary, TIER_MARKERS)
         run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]

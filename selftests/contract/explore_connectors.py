@@ -275,6 +275,19 @@ class BadBoundsConnector(MemoryConnector):
         return max(0, n * self.block_size - num_computed_tokens), False
 
 
+class BadOverclaimsOneTokenConnector(MemoryConnector):
+    """Fault: an off-by-one in the lookup: one token more than its whole stored
+    blocks (within the prompt), which its load never writes."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        ext, is_async = super().get_num_new_matched_tokens(request,
+                                                           num_computed_tokens)
+        if ext > 0 and num_computed_tokens + ext + 1 < request.num_tokens:
+            ext += 1
+        return ext, is_async
+
+
 class BadShiftOnSharedPrefixConnector(MemoryConnector):
     """Fault: where the first entry to load was stored by another prompt (a
     shared prefix, not a replay of the same prompt), loads each block from the

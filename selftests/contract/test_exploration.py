@@ -29,6 +29,10 @@ BAD = {
                            "get_num_new_matched_tokens"),
     "BadShiftOnSharedPrefixConnector": ("core", "loaded KV bit-identical",
                                         "start_load_kv"),
+    # the lookup is named first: the tokens before the unwritten tail are right
+    "BadOverclaimsOneTokenConnector": ("core", "loaded KV bit-identical",
+                                       "get_num_new_matched_tokens (matched tokens "
+                                       "its store does not hold)"),
     "BadLeakOnAbortWhileLoadingConnector": ("core", "no block or request leaks",
                                             "request_finished"),
     "BadIgnoresSaltConnector": ("tenants", "no hit across tenants or adapters",

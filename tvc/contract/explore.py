@@ -60,7 +60,7 @@ from tvc.contract.driver import EngineStepError
 from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
 from tvc.contract.freed import RESUME_FIX, blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
-from tvc.contract.worker import ConnectorWorker
+from tvc.contract.worker import SHORT_LOAD, ConnectorWorker
 from tvc.core.watchdog import Stuck
 
 BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
@@ -916,6 +916,9 @@ class Explorer:
         if w is not None and w.load_errors:
             err = w.load_errors[0]
             invariant, method = blame(err) or ("loaded KV bit-identical", "")
+            if SHORT_LOAD in err and invariant == "loaded KV bit-identical":
+                method = ("get_num_new_matched_tokens (matched tokens its store does "
+                          "not hold) or start_load_kv (a load stopping short)")
             ids = self._preempted_sharing(err)
             if "another block of its own table" in err and ids:
                 invariant = "no block table kept across a preemption"

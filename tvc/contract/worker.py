@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -1122,7 +1123,8 @@ class ConnectorWorker:
             what = self._mismatch_text(rid, start, bad) if bad is not None else ""
             if first_rep is None:
                 if bad is not None:
-                    self.load_errors.append(f"request {rid}: {what}")
+                    self.load_errors.append(f"request {rid}: {what}"
+                                            + short_load(bad, start))
                     failed.add(rid)
                 continue
             failed.add(rid)
@@ -1152,6 +1154,34 @@ class ConnectorWorker:
                 f"request {rid}: its load failed (a block reported or not holding "
                 "the stored KV) but get_request_ids_with_load_errors() does not "
                 "name it")
+
+
+#: the sentence of :func:`short_load` that names the lookup
+SHORT_LOAD = "the connector claimed more tokens than its load brought"
+
+
+def short_load(bad: tuple[int, str], start: int) -> str:
+    """A diagnosis when only the tail of the computed tokens was never written.
+
+    Args:
+        bad: :meth:`ConnectorWorker.first_mismatch` of tokens [0, ``start``).
+        start: the tokens vLLM counted computed (local hit + matched tokens).
+
+    Returns:
+        "; tokens [0, p) hold ... off-by-one ..." when every token from the
+        first mismatch to ``start`` differs and still holds zeros or the
+        harness's poison (the tokens before it are right); else ''.
+
+    """
+    pos, text = bad
+    m = re.search(r"\((\d+) of \d+ tokens differ; their slots (are still zero|"
+                  r"still hold the harness's poison)", text)
+    if pos == 0 or not m or int(m.group(1)) != start - pos:
+        return ""
+    return (f"; tokens [0, {pos}) hold the stored KV and the last {start - pos} of "
+            f"the {start} tokens vLLM counted computed were never written: "
+            f"{SHORT_LOAD} (get_num_new_matched_tokens matched tokens its store "
+            "does not hold — an off-by-one in the lookup — or the load stops short)")
 
 
 class JobAckWorker:

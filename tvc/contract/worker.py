@@ -756,10 +756,19 @@ class ConnectorWorker:
         import torch
 
         blocks, offs, _pos = slots_for(table, start, end, self.block_size)
+        cuda = False
         for name in self.names:
             kv = self.kv_caches[name]
             b, o = blocks.to(kv.device), offs.to(kv.device)
             set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), POISON))
+            cuda = cuda or kv.is_cuda
+        if cuda:
+            # the poison is the harness's, not the engine's: it must be in memory
+            # before the load starts. A load on its own CUDA stream need not wait
+            # for the compute stream (vLLM 0.26's OffloadingConnector waits only
+            # when it offloads, v1/kv_offload/cpu/gpu_worker.py; 0.28 always
+            # waits), so a poison still queued there could land after the load
+            torch.cuda.synchronize()
 
     def find_shift(self, req_id: str, start: int, end: int, max_shift: int
                    ) -> int | None:

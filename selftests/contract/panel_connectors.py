@@ -42,6 +42,8 @@ Shapes (class attributes of :class:`FileChunkConnector`):
   blocks before the first bad one and reports exactly the blocks from there
   (the others report the damaged chunk's blocks from its first one), and it
   names the failed requests in ``get_request_ids_with_load_errors``.
+* :class:`DeferredLookupPanelConnector`: answers ``None`` to the first lookup
+  of each request (vLLM asks again a step later), the store's answer after;
 * :class:`FullPromptPanelConnector`, :class:`AsyncFullPromptPanelConnector`:
   a prompt whose every chunk is stored (its length a multiple of the chunk)
   is a full-prompt hit answered ``len - 1``, as LMCache answers it ("in the
@@ -476,3 +478,19 @@ class FailureReportingPanelConnector(FileChunkConnector):
         """Requests whose load failed since the last call (then cleared)."""
         out, self._failed_reqs = self._failed_reqs, set()
         return out
+
+
+class DeferredLookupPanelConnector(FileChunkConnector):
+    """Answers ``None`` to the first lookup of each request ("needs more time to
+    determine the number of matched tokens", base.py), the store's answer from
+    the next; vLLM skips the request and asks again a step later
+    (``Scheduler.schedule``: ``if ext_tokens is None: ... continue``)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """``(None, False)`` the first time a request is asked about."""
+        asked = self.__dict__.setdefault("_asked", set())
+        if request.request_id not in asked:
+            asked.add(request.request_id)
+            return None, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -8,7 +8,8 @@ over :data:`FIXED_SEEDS` plus one new random seed per run:
 
 * both reference profiles (``example``, ``cpu-offload``) on every seed;
 * the panel of correct connectors (``test_panel_connectors.PANEL``), one member
-  per seed, round-robin in seed order (eleven members, 22 seeds: two each).
+  per seed, round-robin in seed order (twelve members, 22 seeds: one or two
+  each).
 
 Any red fails with its seed, family and target, the command that reruns it,
 and the shrunk replay script; a sequence that reaches one of the profile's

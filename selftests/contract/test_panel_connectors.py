@@ -3,6 +3,7 @@
 ``panel_connectors.py`` holds small, correct connectors of the shapes vLLM
 allows (synchronous; asynchronous, loading in the admission step; chunked at 16
 to 256 tokens, LMCache's default chunk being 256; delayed-free; rank-aware;
+deferring its first lookup (``None``);
 failure-reporting; a stored whole prompt matched to ``len - 1``, as LMCache
 does). Each runs the whole contract tier (``-m contract``, CPU) with a generated
 profile, and must come back with no failure and no error, the scenarios of its
@@ -25,7 +26,9 @@ its own fault, in its own words:
   variant that does not is red (vLLM's block hashes do not cover the model);
 * a ``len - 1`` answer for a stored whole prompt is not "unaligned"; a write
   into the last token's slot after the forward is red;
-* a CUDA-only worker on a CPU box is one hardware skip, never a leak.
+* a CUDA-only worker on a CPU box is one hardware skip, never a leak;
+* a lookup answered ``None`` (ask again later) delays admission a step: the
+  resumed-prefill scenario waits for it.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ PANEL = {
     "chunked-128-delayed-free": ("DelayedFreePanelConnector", 128, [1], ()),
     "chunked-256": ("SyncPanelConnector", 256, [1], ()),
     "delayed-free-16": ("DelayedFreePanelConnector", 16, [1], ()),
+    "deferred-lookup-16": ("DeferredLookupPanelConnector", 16, [1], ()),
     "rank-aware-32": ("RankAwarePanelConnector", 32, [1, 2], TP2),
     "failure-reporting-16": ("FailureReportingPanelConnector", 16, [1], ()),
     "full-prompt-16": ("FullPromptPanelConnector", 16, [1], ()),

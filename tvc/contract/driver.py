@@ -9,7 +9,7 @@ from __future__ import annotations
 import linecache
 import re
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,6 +338,8 @@ class EngineDriver:
     matched: dict[str, list[tuple[int, int | None, bool]]] = field(
         default_factory=dict)
     finished_recving: set[str] = field(default_factory=set)
+    #: requests that waited for remote KV (WAITING_FOR_REMOTE_KVS) after a step
+    waited_remote: set[str] = field(default_factory=set)
     metas: list[Any] = field(default_factory=list)
     worker_metas: list[Any] = field(default_factory=list)
     max_steps: int = 200
@@ -405,6 +407,9 @@ class EngineDriver:
                 self.coverage.loading = self._load_pending()
                 self.coverage.preempted = bool(getattr(so, "preempted_req_ids",
                                                        None))
+                self.waited_remote |= {
+                    rid for rid, r in self.scheduler.requests.items()
+                    if r.status.name == "WAITING_FOR_REMOTE_KVS"}
                 self._poison_async_loads()
                 self._stage = "between lookup and load (scenario hook)"
                 if self.before_worker is not None:
@@ -662,6 +667,42 @@ class EngineDriver:
             last = now
         return True
 
+    def why_finished_stay(self, left: Iterable[str]) -> str:
+        """Why finished requests still hold their blocks, from what vLLM frees on.
+
+        vLLM frees a finished request's blocks at once unless either
+        ``request_finished`` returned ``delay_free_blocks=True`` (then at its
+        ``finished_sending``) or it finished while waiting for remote KV (then
+        at its ``finished_recving``: ``Scheduler.finish_requests`` and
+        ``_update_from_kv_xfer_finished``, vllm/v1/core/sched/scheduler.py,
+        0.26-0.33).
+
+        Args:
+            left: the finished requests still in the scheduler.
+
+        Returns:
+            one sentence per cause, joined by "; ".
+
+        """
+        delayed = sorted(r for r in left if _delays_free(self.finished_returns.get(r)))
+        waited = sorted(r for r in left if r not in delayed
+                        and r in self.waited_remote
+                        and r not in self.finished_recving)
+        out = []
+        if delayed:
+            out.append(f"request_finished returned delay_free_blocks=True for "
+                       f"{delayed} but the worker never reported them in "
+                       "finished_sending")
+        if waited:
+            out.append(f"{waited} finished (aborted) while waiting for remote KV; "
+                       "vLLM frees such a request's blocks only when get_finished "
+                       "names it in finished_recving, which the worker never did: "
+                       "report an aborted or cancelled receive in finished_recving "
+                       "as soon as it stops")
+        return "; ".join(out) or (
+            "request_finished returned delay_free_blocks=True but the worker never "
+            "reported the requests in finished_sending")
+
     def run_until_idle(self, extra_steps: int = 4) -> None:
         """Step until no request is left, then a few empty steps (async jobs).
 
@@ -677,9 +718,7 @@ class EngineDriver:
                 raise AssertionError(
                     f"finished requests {sorted(left)} never left the scheduler and "
                     f"{held} KV block(s) are still referenced after {self.max_steps} "
-                    "steps: request_finished returned delay_free_blocks=True but the "
-                    "worker never reported the requests in finished_sending (leaked "
-                    "blocks)")
+                    f"steps: {self.why_finished_stay(left)} (leaked blocks)")
             too_big = self._beyond_pool()
             if too_big:
                 raise RigPlanError(too_big)

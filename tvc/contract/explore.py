@@ -867,11 +867,13 @@ class Explorer:
                         for r, q in self.rig.scheduler.requests.items()}
                 if left and all(q.is_finished() for q in
                                 self.rig.scheduler.requests.values()):
+                    why = d.why_finished_stay(left)
                     self.fail("no block or request leaks",
                               f"{when}: finished requests {sorted(left)} never left "
-                              f"the scheduler after {d.max_steps} steps: "
-                              "request_finished delayed freeing their blocks and "
-                              "finished_sending never named them")
+                              f"the scheduler after {d.max_steps} steps: {why}",
+                              "get_finished (an aborted receive never named in "
+                              "finished_recving)" if "finished_sending" not in why
+                              else "")
                 self.fail("every load finishes",
                           f"{when}: requests still in the scheduler after "
                           f"{d.max_steps} steps without progress: {left}")

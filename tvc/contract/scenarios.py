@@ -48,6 +48,8 @@ from tvc.core.error_hints import describe_failure
 
 MakeRig = Callable[..., Rig]
 BLOCK_SIZE = 16  # B of every scenario rig (vLLM's default block size on CUDA)
+#: steps a scenario waits for a request a connector deferred (a None answer)
+DEFERRED_LOOKUP_STEPS = 4
 
 
 class ScenarioError(Exception):
@@ -994,10 +996,17 @@ def resumed_prefill(make_rig: MakeRig, profile: Any) -> dict[str, Any]:
     d1 = rig.request(d_len, max_tokens=steps + 2)
     d2 = rig.request(d_len, max_tokens=steps + 3 * b)
     d.add(d1, d2)                                                    # 1
-    d.step()
+    # a connector may answer None ("ask again later", KVConnectorBase_V1.
+    # get_num_new_matched_tokens): vLLM then admits the request in a later step
+    for _ in range(DEFERRED_LOOKUP_STEPS):
+        d.step()
+        if d1.num_output_tokens or d2.num_output_tokens:
+            break
     assert d1.num_output_tokens and d2.num_output_tokens, (
         f"scenario did not happen: D1 and D2 ({d_len} tokens each) did not "
-        f"prefill in one step of {budget} tokens")
+        f"prefill together in one step of {budget} tokens (within "
+        f"{DEFERRED_LOOKUP_STEPS} steps; get_num_new_matched_tokens answers: "
+        f"{d.matched.get(d1.request_id)}, {d.matched.get(d2.request_id)})")
     long = rig.request(n, max_tokens=2 * b)
     d.add(long)                                                      # 2
     rid = long.request_id

@@ -238,3 +238,21 @@ def test_tuttis_cpu_reds_are_each_a_catalogued_finding(nodeid: str, message: str
     assert [f["key"] for f in findings([_t(nodeid, message)], PROFILE)] == [key]
     other = {**PROFILE, "connector": "ExampleConnector"}
     assert [f["key"] for f in findings([_t(nodeid, message)], other)] == ["test"]
+
+
+def test_the_rerun_command_calls_the_runs_own_pytest(tmp_path) -> None:
+    """A bare ``pytest`` is whatever PATH finds first (fresh-user finding: a
+    pyenv shim without the suite's dependencies); the command names the pytest
+    beside the run's interpreter, relative to the folder the run started in."""
+    from tvc.plugin.findings import pytest_command
+
+    bin_ = tmp_path / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "pytest").write_text("#!/bin/sh\n")
+    python = str(bin_ / "python")
+    assert pytest_command(python, str(tmp_path)) == ".venv/bin/pytest"
+    assert pytest_command(python, "/elsewhere") == str(bin_ / "pytest")
+    assert pytest_command(str(tmp_path / "python"), str(tmp_path)) == "pytest"
+    tests = [_t("suites/contract/test_x.py::test_y", "boom")]
+    got = findings(tests, PROFILE, seed=7, pytest=".venv/bin/pytest")[0]["rerun"]
+    assert got.startswith(".venv/bin/pytest suites/contract/test_x.py::test_y "), got

@@ -21,6 +21,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = ["CATALOGUE", "KnownDefect", "causes", "cut", "findings", "normalise_cause"]
@@ -307,7 +308,8 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
              seed: Any = None, pythonpath: str = "",
              require: Iterable[str] = (),
              versions: Mapping[str, str] | None = None,
-             depth: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+             depth: Mapping[str, Any] | None = None,
+             pytest: str = "pytest") -> list[dict[str, Any]]:
     """The findings of a run, from its ``summary.json`` test entries.
 
     Args:
@@ -324,6 +326,7 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
         depth: the run's depth (``run.depth`` of ``summary.json``): a depth
             other than the default, an explored-sequence count or a volume other
             than the depth's own, stay in the rerun command.
+        pytest: the pytest the rerun command calls (:func:`pytest_command`).
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -344,7 +347,7 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
                       if d.matches(nodeid, msg, str(profile.get("connector") or ""),
                                    versions)), None)
         key = known.key if known else f"test:{nodeid}"
-        rerun = ["pytest", nodeid]
+        rerun = [pytest, nodeid]
         if prof:
             rerun.append(f"--tvc-profile={prof}")
         if seed is not None:
@@ -516,3 +519,29 @@ def _depth_options(depth: Mapping[str, Any] | None) -> tuple[list[str], str]:
     env = f"TVC_SCENARIO_VOLUME={vol} " if vol not in (None, own.scenario_volume) \
         else ""
     return opts, env
+
+
+def pytest_command(executable: str, cwd: str) -> str:
+    """The pytest a rerun command calls: the one of the run's interpreter.
+
+    A bare ``pytest`` is whatever is first on PATH, often not the environment
+    that ran the suite (the README calls ``.venv/bin/pytest`` without
+    activating it).
+
+    Args:
+        executable: the run's ``sys.executable``.
+        cwd: the folder the run started in.
+
+    Returns:
+        the ``pytest`` script beside the interpreter, relative to ``cwd`` when
+        inside it (``.venv/bin/pytest``), else absolute; ``pytest`` when there
+        is none.
+
+    """
+    script = Path(executable).with_name("pytest")
+    if not script.is_file():
+        return "pytest"
+    try:
+        return str(script.relative_to(Path(cwd)))
+    except ValueError:
+        return str(script)

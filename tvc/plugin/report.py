@@ -41,7 +41,7 @@ import pytest
 
 from tvc.config.paths import reports_root
 from tvc.core.files import read_json, write_file
-from tvc.plugin.findings import findings
+from tvc.plugin.findings import findings, pytest_command
 from tvc.report.live import LiveReds
 from tvc.report.outcome import OUTCOME_BY_EXIT, headline, outcome_reason, verdict
 from tvc.report.scope import HW_LEVELS, hardware_level, scope, tier_order
@@ -214,7 +214,8 @@ class RunReport:
         run = self.meta.get("run", {})
         found = findings([entry], self.meta.get("profile", {}), run.get("seed"),
                          os.environ.get("PYTHONPATH", ""), run.get("require") or (),
-                         depth=run.get("depth"))
+                         depth=run.get("depth"),
+                         pytest=pytest_command(sys.executable, os.getcwd()))
         return str(found[0]["rerun"]) if found else ""
 
     def would_skip(self) -> None:
@@ -299,7 +300,8 @@ class RunReport:
             versions[str(pkg["name"])] = str(pkg["version"])
         summary["findings"] = findings(summary["tests"], prof, run.get("seed"),
                                        run["pythonpath"], run.get("require") or (),
-                                       versions, run.get("depth"))
+                                       versions, run.get("depth"),
+                                       pytest_command(sys.executable, os.getcwd()))
         run["outcome_reason"] = outcome_reason(summary)
         summary["scope"] = scope(summary, TIER_MARKERS)
         run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]

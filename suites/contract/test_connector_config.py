@@ -59,16 +59,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("key", profile["connector"][section_key] or [None])
 
 
-def _need(key) -> None:
+def _need(key, section_key: str) -> None:
     if key is None:
-        pytest.skip("the profile lists no such keys (connector."
-                    "required_extra_config_keys / connector.size_keys); nothing to "
+        pytest.skip(f"the profile lists no connector.{section_key}; nothing to "
                     "check")
 
 
 def test_missing_required_key_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key) -> None:
-    _need(key)
+    _need(key, "required_extra_config_keys")
     ktc = copy.deepcopy(contract_profile.kv_transfer_config())
     pop_extra_config_key(ktc["kv_connector_extra_config"], key)  # dotted: nested
     err = _create(contract_profile, contract_scratch, ktc)
@@ -83,7 +82,7 @@ def test_missing_required_key_fails_at_creation_naming_it(
 @pytest.mark.parametrize("bad", ["not-a-number", -1], ids=["wrong_type", "negative"])
 def test_bad_size_value_fails_at_creation_naming_it(
         contract_profile, contract_scratch, key, bad) -> None:
-    _need(key)
+    _need(key, "size_keys")
     ktc = copy.deepcopy(contract_profile.kv_transfer_config())
     node = ktc["kv_connector_extra_config"]
     *parents, leaf = key.split(".")  # dotted: a nested table entry

@@ -318,7 +318,12 @@ def class_missing_reason(profile: Profile) -> str:
         module = importlib.import_module(mod)
     except Exception:  # noqa: BLE001 - reported by level1, not here
         return ""
-    if hasattr(module, name):
+    try:
+        getattr(module, name)
+        return ""
+    except AttributeError:
+        pass
+    except Exception:  # noqa: BLE001 - a lazy attribute whose import fails: level1
         return ""
     have = sorted(n for n, v in vars(module).items()
                   if isinstance(v, type) and n.endswith("Connector")

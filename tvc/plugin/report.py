@@ -99,6 +99,9 @@ class RunReport:
         # extra top-level sections of summary.json (e.g. "coverage")
         self.extra: dict[str, Any] = {}
         self.summary: dict[str, Any] = {}  # what write() wrote
+        # the pytest of rerun commands, fixed where the run starts (a test may
+        # change the working folder later)
+        self.pytest = pytest_command(sys.executable, os.getcwd())
         self.stop: dict[str, str] = {}  # why the run stopped early (tvc.report.outcome)
         self.live = LiveReds(run_dir, f"profile {meta.get('profile', {}).get('name')}")
         self.running = ""  # node id of the test in progress ('' between tests)
@@ -215,7 +218,7 @@ class RunReport:
         found = findings([entry], self.meta.get("profile", {}), run.get("seed"),
                          os.environ.get("PYTHONPATH", ""), run.get("require") or (),
                          depth=run.get("depth"),
-                         pytest=pytest_command(sys.executable, os.getcwd()))
+                         pytest=self.pytest)
         return str(found[0]["rerun"]) if found else ""
 
     def would_skip(self) -> None:
@@ -301,7 +304,7 @@ class RunReport:
         summary["findings"] = findings(summary["tests"], prof, run.get("seed"),
                                        run["pythonpath"], run.get("require") or (),
                                        versions, run.get("depth"),
-                                       pytest_command(sys.executable, os.getcwd()))
+                                       self.pytest)
         run["outcome_reason"] = outcome_reason(summary)
         summary["scope"] = scope(summary, TIER_MARKERS)
         run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]

@@ -41,15 +41,18 @@ from pathlib import Path
 run, how = Path(sys.argv[1]), sys.argv[2]
 doc = json.loads((run / "certification.json").read_text())
 summary = json.loads((run / "summary.json").read_text())
-victim = next(t for t in summary["tests"] if t["outcome"] != "passed") if any(
-    t["outcome"] != "passed" for t in summary["tests"]) else summary["tests"][0]
+# a test of the certification set (one not passed where there is one): a
+# doctored test outside the set would change nothing verify reads
+results = doc["results"]
+victim = next((r for r in results if r["outcome"] != "passed"), results[0])
+flip = "failed" if victim["outcome"] == "passed" else "passed"
 if how == "file":  # the result file alone: a test said passed (or failed)
-    for r in doc["results"]:
-        if r["nodeid"] == victim["nodeid"]:
-            r["outcome"] = "failed" if r["outcome"] == "passed" else "passed"
+    victim["outcome"] = flip
     (run / "certification.json").write_text(json.dumps(doc))
 else:  # summary.json edited too: its digest no longer matches the file's
-    victim["outcome"] = "failed" if victim["outcome"] == "passed" else "passed"
+    for t in summary["tests"]:
+        if t["nodeid"] == victim["nodeid"]:
+            t["outcome"] = flip
     (run / "summary.json").write_text(json.dumps(summary))
 print(f"doctored ({how}): {victim['nodeid']}")
 PY

@@ -48,7 +48,8 @@ BAD = {
                                             "get_finished"),
     "BadRematchesFailedEntryConnector": ("faults", "every load finishes",
                                          "get_num_new_matched_tokens"),
-    "BadFreesBeforeSaveConnector": ("core", "no use of blocks vLLM freed",
+    # a tight pool: vLLM hands the freed blocks to the next request at once
+    "BadFreesBeforeSaveConnector": ("preemption", "no use of blocks vLLM freed",
                                     "request_finished"),
 }
 

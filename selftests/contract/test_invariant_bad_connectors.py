@@ -97,14 +97,15 @@ def test_a_call_that_never_returns_fails_its_test_and_the_run_reports(
 # -------------------------------------------------------------- use after free
 def test_a_save_from_blocks_vllm_freed_is_named(tmp_path: Path) -> None:
     run = run_one(tmp_path, "SavesAfterFreeConnector",
-                  [SCEN, "-m", "contract", "-k", "local_prefix and cpu"])
-    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+                  [SCEN, "-m", "contract", "-k", "freed_blocks and cpu"])
+    t = run.test("test_freed_blocks_handed_to_the_next_request_at_once[cpu]")
     msg = t.get("message") or ""
     assert t["outcome"] == "failed", (t, run.tail(3000))
     assert ("it holds the harness's mark of a block vLLM had freed when its "
             "request finished: the entry was saved (save_kv_layer / wait_for_save "
             "or a later write-behind) from blocks after request_finished let vLLM "
-            "free them — used after vLLM freed it. Fix: return True from "
+            "free them and vLLM had handed them to another request — used after "
+            "vLLM freed it. Fix: return True from "
             "request_finished while a save from the request's blocks is queued"
             ) in msg, msg
 

@@ -130,6 +130,18 @@ def test_lmcache_corruption_is_matched_only_on_the_versions_it_applies_to() -> N
     got = findings([_t(node2, harness)], LMCACHE,
                    versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
     assert [f["key"] for f in got] == ["lmcache-packed-kv-corruption"], got
+    free = ("exploration: invariant 'no write into a free block' broken: 17 "
+            "block(s): layer model.layers.0.self_attn.attn: block 16, freed when "
+            "request req-330 ended (FINISHED_LENGTH_CAPPED), engine step 2, was "
+            "written in the worker step of engine step 7 while free")
+    node3 = ("suites/contract/test_exploration.py::test_contract_holds_over_"
+             "explored_event_sequences[faults]")
+    got = findings([_t(node3, free)], LMCACHE,
+                   versions={"vllm": "0.26.0", "lmcache": "0.5.3"})
+    assert [f["key"] for f in got] == ["lmcache-packed-kv-corruption"], got
+    got = findings([_t(node3, free)], LMCACHE,
+                   versions={"vllm": "0.28.0", "lmcache": "0.5.6"})
+    assert [f["key"] for f in got] == ["test"], got
 
 
 def test_lmcache_prompt_embeds_typeerror_is_a_finding() -> None:

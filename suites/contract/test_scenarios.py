@@ -48,6 +48,52 @@ def test_preemption_and_resume(make_rig, contract_profile, record_property) -> N
     assert out["preempted"] >= 1 and out["readmission_answers"], out
 
 
+def test_freed_blocks_handed_to_the_next_request_at_once(
+        make_rig, contract_profile, record_property) -> None:
+    """A finished request's blocks go to the request queued behind it.
+
+    vLLM may hand a block to another request the step after it freed it
+    (``request_finished`` returned False); that request's forward overwrites
+    it. A save still reading the blocks then stores another request's KV, unless
+    the connector delays the free or finishes the save in ``handle_preemptions``
+    (base.py: "evicted blocks BEFORE they are overwritten"; vLLM's
+    OffloadingConnector: ``jobs_to_flush``).
+    """
+    from tvc.contract.driver import external_hit
+
+    b = S.BLOCK_SIZE
+    n = S.round_trip_len(contract_profile, b)
+    # 1. a pool for one request at a time (+1: vLLM's null block): B, queued
+    #    behind A, is admitted once A's blocks are free (vLLM admits a request
+    #    only when its whole sequence fits) and gets A's blocks
+    rig = make_rig(block_size=b, num_blocks=-(-(n + 2) // b) + 1)
+    w = S.real_worker(rig)
+    if w is None:
+        pytest.skip("no real worker side on this device: the KV in a reused "
+                    "block cannot be read")
+    first, second = rig.request(n), rig.request(n)
+    rig.driver.run(first, second)
+    reused = set(w.block_table[first.request_id]) & set(
+        w.block_table[second.request_id])
+    assert reused, ("scenario did not happen: the second request got none of "
+                    f"the first one's blocks ({w.block_table})")
+    # 2. replay the first prompt: its local cache went with its blocks, so the
+    #    connector loads it; every loaded token must be the first request's KV
+    replay = rig.request(n, shared_prefix=first.prompt_token_ids)
+    rig.driver.run(replay)
+    local, matched = S.check_hit(rig, replay, S.rule_hit(contract_profile, n, b),
+                                 "replay after its blocks were reused")
+    assert local == 0 and matched > 0, (
+        f"scenario did not happen: the replay found {local} tokens in vLLM's "
+        f"local prefix cache and matched {matched} external tokens of a stored "
+        f"{n}-token prompt")
+    S.check_every_load(rig, [replay], "replay after its blocks were reused")
+    S.finish(rig)
+    record_property("scenario", {"prompt_len": n, "reused_blocks": len(reused),
+                                 "matched": matched,
+                                 "is_async": external_hit(rig.driver, replay)[2]})
+
+
 # the request's vLLM RequestStatus when it is aborted, per parameter
 ABORTED_WHILE = {"waiting_for_remote_kv": "WAITING_FOR_REMOTE_KVS",
                  "running": "RUNNING", "queued": "WAITING"}

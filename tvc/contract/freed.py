@@ -15,18 +15,20 @@ preemption, ``handle_preemptions`` runs before the forward overwrites anything
 (base.py: "Handle preempted requests or evicted blocks BEFORE they are
 overwritten").
 
-:class:`FreedBlocks` watches the scheduler's block pool and writes a mark into
-every layer of each block the moment vLLM frees it (a preemption's blocks once
-the worker's ``handle_preemptions`` returned): :data:`FREED_AT_FINISH` or
-:data:`FREED_AT_PREEMPT`. The content is kept aside and put back when vLLM
-hands the block out again as a local prefix-cache hit (``BlockPool.touch``);
-a block handed out fresh (``BlockPool.get_new_blocks``) gets
-:data:`UNWRITTEN` until the forward or a load writes it. So:
+A freed block keeps what it held until vLLM hands it to another request and
+that request's forward writes it; the base class blesses connectors that read
+freed blocks until then and finish in ``handle_preemptions`` ("evicted blocks
+BEFORE they are overwritten"; vLLM's OffloadingConnector flushes the saves
+that read a reused block there, ``jobs_to_flush``). :class:`FreedBlocks`
+therefore writes its mark into a block only when vLLM hands it out fresh
+(``BlockPool.get_new_blocks``), right after the worker's
+``handle_preemptions``: :data:`FREED_AT_FINISH` or :data:`FREED_AT_PREEMPT`
+for a block freed before, :data:`UNWRITTEN` for one never used. So:
 
 * a block that changes while free was written after vLLM freed it
-  (:meth:`FreedBlocks.check`);
-* a load that brings back a mark was saved from a freed block, or from a block
-  nothing had computed yet (:func:`mark_meaning`).
+  (:meth:`FreedBlocks.check` compares it with its content when freed);
+* a load that brings back a mark was saved from a block after vLLM reused
+  it, or from a block nothing had computed yet (:func:`mark_meaning`).
 
 The marks are never pattern values (integers, :func:`tvc.contract.worker.
 pattern_values`) nor the harness's load poison (0.5), and are exact in float16,
@@ -49,7 +51,9 @@ USED_AFTER_FREE = "used after vLLM freed it"
 DELAYED_FREE_FIX = (
     "return True from request_finished while a save from the request's blocks is "
     "queued and name the request in finished_sending once it is done (vLLM's "
-    "delayed free: Scheduler._free_request frees the blocks at once otherwise)")
+    "delayed free: Scheduler._free_request frees the blocks at once otherwise), "
+    "or finish the save in handle_preemptions once vLLM hands one of those "
+    "blocks to another request (as vLLM's OffloadingConnector does)")
 RESUME_FIX = (
     "after a preemption vLLM resumes the request with a whole new block table "
     "(scheduled_cached_reqs.resumed_req_ids, new_block_ids replace the old ones) "
@@ -69,12 +73,14 @@ def mark_meaning(value: float) -> str:
         return ("; it holds the harness's mark of a block vLLM had freed when its "
                 "request finished: the entry was saved (save_kv_layer / "
                 "wait_for_save or a later write-behind) from blocks after "
-                f"request_finished let vLLM free them — {USED_AFTER_FREE}. Fix: "
+                "request_finished let vLLM free them and vLLM had handed them to "
+                f"another request — {USED_AFTER_FREE}. Fix: "
                 + DELAYED_FREE_FIX)
     if value == FREED_AT_PREEMPT:
         return ("; it holds the harness's mark of a block vLLM had freed when it "
                 "preempted its request: the entry was saved from the block table "
-                f"the request had before its preemption — {USED_AFTER_FREE}. Fix: "
+                "the request had before its preemption, after vLLM had handed "
+                f"those blocks to another request — {USED_AFTER_FREE}. Fix: "
                 + RESUME_FIX)
     if value == UNWRITTEN:
         return ("; it holds the harness's mark of a block vLLM had allocated but "
@@ -158,16 +164,26 @@ def _set_rows(kv: Any, ids: Any, value: float) -> None:
 
 
 class FreedBlocks:
-    """The marks in vLLM's free blocks (see the module doc) for one worker.
+    """The blocks vLLM freed, and the marks in blocks it hands out again.
+
+    A freed block keeps its content, as in vLLM, until vLLM hands it out again
+    fresh; then, once the connector's ``handle_preemptions`` returned (where
+    vLLM's OffloadingConnector waits for saves still reading a reused block,
+    ``jobs_to_flush``, offloading/worker.py 0.26-0.33), it gets its mark: the
+    reason it was freed, or :data:`UNWRITTEN` for a block never used. A write
+    into a block while it is free is found by comparing it with its content
+    when vLLM freed it (:meth:`check`).
 
     Args:
         kv_caches: layer name -> the worker's KV tensor (block-major layouts
             of :func:`tvc.contract.worker.token_view`).
 
     Attributes:
-        freed: block id -> (mark, what freed it) for blocks free and marked now.
+        freed: block id -> (mark, what freed it) for blocks free now.
+        kept: block id -> layer name -> the block's content when vLLM freed it.
+        due: block id -> mark, for blocks handed out fresh since the last
+            :meth:`flush`.
         uses: one sentence per write into a freed block (:meth:`check`).
-        ever: every block marked at some time (for "nothing else changed").
 
     """
 
@@ -175,34 +191,23 @@ class FreedBlocks:
         self.kv = kv_caches
         self.freed: dict[int, tuple[float, str]] = {}
         self.kept: dict[int, dict[str, Any]] = {}
-        self.pending: list[tuple[int, float, str]] = []
-        self.unwritten_later: list[int] = []
+        self.due: dict[int, float] = {}
         self.uses: list[str] = []
-        self.ever: set[int] = set()
         self.step = 0
-        self._in_schedule = False
         self._why = ""
 
     # ------------------------------------------------------------ the pool
     def watch(self, scheduler: Any) -> None:
-        """Wrap the scheduler's ``schedule``, ``KVCacheManager.free`` and pool.
+        """Wrap the scheduler's ``KVCacheManager.free`` and its block pool.
 
         ``BlockPool.free_blocks`` (ref count 0: freed), ``touch`` (a local
-        hit: content back), ``get_new_blocks`` (fresh: :data:`UNWRITTEN`);
-        the same names in vLLM 0.26-0.33.
+        hit: the content is still there), ``get_new_blocks`` (fresh: marked at
+        the next :meth:`flush`); the same names in vLLM 0.26-0.33.
         """
         mgr = scheduler.kv_cache_manager
         pool = mgr.block_pool
-        orig_schedule, orig_free = scheduler.schedule, mgr.free
-        orig_free_blocks, orig_touch = pool.free_blocks, pool.touch
-        orig_new = pool.get_new_blocks
-
-        def schedule(*a: Any, **kw: Any) -> Any:
-            self._in_schedule = True
-            try:
-                return orig_schedule(*a, **kw)
-            finally:
-                self._in_schedule = False
+        orig_free, orig_free_blocks = mgr.free, pool.free_blocks
+        orig_touch, orig_new = pool.touch, pool.get_new_blocks
 
         def free(request: Any) -> Any:
             status = request.status.name
@@ -218,13 +223,9 @@ class FreedBlocks:
             blocks = list(blocks)
             ret = orig_free_blocks(blocks)
             mark = FREED_AT_PREEMPT if "preempted" in self._why else FREED_AT_FINISH
-            why = self._why or "by vLLM"
-            done = [b.block_id for b in blocks
-                    if b.ref_cnt == 0 and not getattr(b, "is_null", False)]
-            if self._in_schedule:  # a preemption: after handle_preemptions
-                self.pending += [(i, mark, why) for i in done]
-            else:
-                self.mark(done, mark, why)
+            self.freed_now([b.block_id for b in blocks
+                            if b.ref_cnt == 0 and not getattr(b, "is_null", False)],
+                           mark, self._why or "by vLLM")
             return ret
 
         def touch(blocks: Any) -> Any:
@@ -236,28 +237,12 @@ class FreedBlocks:
             self.handed_out([b.block_id for b in ret], fresh=True)
             return ret
 
-        scheduler.schedule, mgr.free = schedule, free
+        mgr.free = free
         pool.free_blocks, pool.touch = free_blocks, touch
         pool.get_new_blocks = get_new_blocks
-        self._pool = pool
 
-    def flush(self) -> None:
-        """Mark the blocks a preemption freed (call once handle_preemptions ran)."""
-        import torch
-
-        todo, self.pending = self.pending, []
-        for block, mark, why in todo:
-            if self._pool.blocks[block].ref_cnt == 0:
-                self.mark([block], mark, why)
-        later, self.unwritten_later = self.unwritten_later, []
-        if later:
-            for kv in self.kv.values():
-                _set_rows(kv, torch.tensor(later, device=kv.device), UNWRITTEN)
-            self.ever.update(later)
-
-    # ------------------------------------------------------------ the marks
-    def mark(self, blocks: list[int], mark: float, why: str) -> None:
-        """Keep the blocks' content and fill them with ``mark`` in every layer."""
+    def freed_now(self, blocks: list[int], mark: float, why: str) -> None:
+        """Note blocks vLLM just freed; keep their content for :meth:`check`."""
         import torch
 
         blocks = [b for b in blocks if b not in self.freed]
@@ -268,58 +253,47 @@ class FreedBlocks:
             rows = _rows(kv, ids)
             for j, b in enumerate(blocks):
                 self.kept.setdefault(b, {})[name] = rows.select(_block_dim(kv), j)
-            _set_rows(kv, ids, mark)
         for b in blocks:
             self.freed[b] = (mark, f"{why}, engine step {self.step}")
-            self.ever.add(b)
 
     def handed_out(self, blocks: list[int], fresh: bool) -> None:
-        """Blocks vLLM hands to a request: content back, or :data:`UNWRITTEN`.
+        """Blocks vLLM hands to a request: fresh ones get a mark at :meth:`flush`.
 
-        A block a preemption freed in this very ``schedule()`` is left as it
-        is until :meth:`flush` (the connector's ``handle_preemptions`` may
-        still read it): then it is marked :data:`UNWRITTEN` if it went out
-        fresh.
+        A local prefix-cache hit (``fresh=False``) keeps the content as it is.
+        """
+        for b in blocks:
+            info = self.freed.pop(b, None)
+            self.kept.pop(b, None)
+            if fresh:
+                self.due[b] = info[0] if info is not None else UNWRITTEN
+
+    def flush(self) -> None:
+        """Write the marks of the blocks handed out fresh (after handle_preemptions).
+
+        What vLLM's forward would overwrite from here on; synchronized on CUDA
+        so that a transfer on the connector's own stream sees the marks.
         """
         import torch
 
-        waiting = {p[0] for p in self.pending}
-        if waiting & set(blocks):
-            self.pending = [p for p in self.pending if p[0] not in blocks]
-            if fresh:
-                self.unwritten_later += [b for b in blocks if b in waiting]
-            blocks = [b for b in blocks if b not in waiting]
-        back = [b for b in blocks if b in self.freed]
-        for b in back:
-            del self.freed[b]
-        kept = {b: self.kept.pop(b, {}) for b in back}
-        if fresh:
-            if blocks:
-                ids = torch.tensor(blocks, dtype=torch.long)
-                for kv in self.kv.values():
-                    _set_rows(kv, ids, UNWRITTEN)
-                self.ever.update(blocks)
-            return
-        for name, kv in self.kv.items():
-            for b in back:
-                if name in kept[b]:
-                    kv.select(_block_dim(kv), b).copy_(kept[b][name])
-
-    def zeroed(self) -> None:
-        """After the worker zeroed its KV: the kept content is zero, marks back."""
-        import torch
-
-        for kept in self.kept.values():
-            for t in kept.values():
-                t.zero_()
-        for mark in {m for m, _ in self.freed.values()}:
-            ids = torch.tensor([b for b, (m, _) in self.freed.items() if m == mark],
+        due, self.due = self.due, {}
+        cuda = False
+        for mark in sorted(set(due.values())):
+            ids = torch.tensor([b for b, m in due.items() if m == mark],
                                dtype=torch.long)
             for kv in self.kv.values():
                 _set_rows(kv, ids, mark)
+                cuda = cuda or kv.is_cuda
+        if cuda:
+            torch.cuda.synchronize()
+
+    def zeroed(self) -> None:
+        """After the worker zeroed its KV: the kept content of free blocks is zero."""
+        for kept in self.kept.values():
+            for t in kept.values():
+                t.zero_()
 
     def check(self, where: str) -> list[str]:
-        """Blocks written while free since the last check (then marked again).
+        """Blocks written while free since the last check.
 
         Args:
             where: what ran since (``the worker step of engine step 7``).
@@ -332,29 +306,31 @@ class FreedBlocks:
 
         out: list[str] = []
         seen: set[int] = set()
-        for mark in sorted({m for m, _ in self.freed.values()}):
-            blocks = sorted(b for b, (m, _) in self.freed.items() if m == mark)
-            ids = torch.tensor(blocks, dtype=torch.long)
-            for name, kv in self.kv.items():
-                rows = _rows(kv, ids).movedim(_block_dim(kv), 0)
-                size = kv.element_size()
-                want = torch.full((1,), mark, dtype=kv.dtype, device=kv.device)
-                got = rows.contiguous().view(torch.uint8).reshape(len(blocks), -1,
-                                                                  size)
-                bad = got.ne(want.view(torch.uint8)).any(dim=2).any(dim=1)
-                for j in bad.nonzero().flatten().tolist():
-                    b = blocks[j]
-                    _set_rows(kv, torch.tensor([b]), mark)
-                    if b in seen:
-                        continue
-                    seen.add(b)
-                    out.append(
-                        f"layer {name}: block {b}, freed {self.freed[b][1]}, was "
-                        f"written in {where} while free — {USED_AFTER_FREE}: the "
-                        "connector wrote into a block no request of this step owns "
-                        "(a load into a block table vLLM no longer uses, or a load "
-                        "that landed after its request was freed). A load must "
-                        "write only into the blocks vLLM gave the request for this "
-                        "step; " + RESUME_FIX)
+        blocks = sorted(self.freed)
+        if not blocks:
+            return out
+        ids = torch.tensor(blocks, dtype=torch.long)
+        for name, kv in self.kv.items():
+            dim = _block_dim(kv)
+            rows = _rows(kv, ids)
+            was = torch.stack([self.kept[b][name] for b in blocks], dim=dim)
+            now_bytes = rows.movedim(dim, 0).contiguous().view(torch.uint8)
+            was_bytes = was.movedim(dim, 0).contiguous().view(torch.uint8)
+            bad = now_bytes.reshape(len(blocks), -1).ne(
+                was_bytes.reshape(len(blocks), -1)).any(dim=1)
+            for j in bad.nonzero().flatten().tolist():
+                b = blocks[j]
+                self.kept[b][name] = rows.select(dim, j)  # one sentence per write
+                if b in seen:
+                    continue
+                seen.add(b)
+                out.append(
+                    f"layer {name}: block {b}, freed {self.freed[b][1]}, was "
+                    f"written in {where} while free — {USED_AFTER_FREE}: the "
+                    "connector wrote into a block no request of this step owns "
+                    "(a load into a block table vLLM no longer uses, or a load "
+                    "that landed after its request was freed). A load must "
+                    "write only into the blocks vLLM gave the request for this "
+                    "step; " + RESUME_FIX)
         self.uses += out
         return out

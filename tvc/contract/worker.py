@@ -477,6 +477,7 @@ class ConnectorWorker:
         self.unrecomputed_reads: list[str] = []
         self._reported_now: dict[str, int] = {}
         self.freed: Any = None  # FreedBlocks once watch_frees ran
+        self._poison_due: list[tuple[list[int], int, int]] = []
         self._steps = 0
 
     def _layout_choice(self, runner: tuple[str, str], cross: Any) -> Any:
@@ -711,37 +712,21 @@ class ConnectorWorker:
         return ""
 
     def read_slots(self, name: str, blocks: Any, offsets: Any) -> Any:
-        """:func:`token_view` of layer ``name``, seeing through freed-block marks.
-
-        A block vLLM has freed holds a mark (:mod:`tvc.contract.freed`); what it
-        held when vLLM freed it is kept, and read here instead: a request's KV
-        is judged as vLLM left it, also once the request finished.
-        """
+        """:func:`token_view` of layer ``name`` (a freed block keeps its KV)."""
         kv = self.kv_caches[name]
-        got = token_view(kv, blocks.to(kv.device), offsets.to(kv.device))
-        freed = self.freed.freed if self.freed is not None else {}
-        if not freed:
-            return got
-        for i, (b, o) in enumerate(zip(blocks.tolist(), offsets.tolist(),
-                                       strict=True)):
-            kept = self.freed.kept.get(b, {}).get(name) if b in freed else None
-            if kept is None:
-                continue
-            if kv.dim() == 4:  # kept (H, B, 2D) -> token (H, 2D)
-                got[i] = kept[:, o]
-            else:  # kept (2, B, H, D) -> token (2, H, D)
-                got[:, i] = kept[:, o]
-        return got
+        return token_view(kv, blocks.to(kv.device), offsets.to(kv.device))
 
     def poison_blocks(self, block_ids: Sequence[int], start: int, end: int
                       ) -> None:
         """Fill tokens [start, end) of a block table with :data:`POISON`.
 
-        Tokens past the table's blocks are left out.
+        Done in the next worker step, right after ``handle_preemptions`` (what
+        a connector finishes there may still read a block vLLM handed out
+        again). Tokens past the table's blocks are left out.
         """
         end = min(end, len(block_ids) * self.block_size)
         if end > start:
-            self._poison_slots(list(block_ids), start, end)
+            self._poison_due.append((list(block_ids), start, end))
 
     def poison(self, req_id: str, start: int, end: int) -> None:
         """Fill tokens [start, end) of a request with :data:`POISON` in every layer.
@@ -863,9 +848,6 @@ class ConnectorWorker:
             self.freed.step = self._steps
         work = self._track(so)
         expected, self._expected_loads = self._expected_loads, {}
-        for rid, (lo, hi) in expected.items():
-            if rid in self.block_table:
-                self.poison(rid, lo, hi)
         c = self.connector
         out = KVConnectorOutput()
         failed_reqs: set[str] | None = None
@@ -887,8 +869,16 @@ class ConnectorWorker:
                 # gpu/kv_connector.py L67-L68)
                 if hasattr(c, "handle_preemptions"):
                     c.handle_preemptions(meta)
-                if self.freed is not None:  # a preemption's blocks, now
+                if self.freed is not None:  # the marks of blocks handed out
                     self.freed.flush()
+                # after handle_preemptions, where a connector finishes what
+                # still reads a block vLLM hands out again
+                for rid, (lo, hi) in expected.items():
+                    if rid in self.block_table:
+                        self.poison(rid, lo, hi)
+                due, self._poison_due = self._poison_due, []
+                for table, lo, hi in due:
+                    self._poison_slots(table, lo, hi)
                 step = "bind_connector_metadata"
                 c.bind_connector_metadata(meta)
                 step = "start_load_kv"

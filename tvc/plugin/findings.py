@@ -244,7 +244,10 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         r"recomputed\)"
         # its writes land at the wrong offsets of the packed tensor, blocks
         # vLLM had free among them
-        r"|block\(s\) written while vLLM had them free",
+        r"|block\(s\) written while vLLM had them free"
+        # the exploration's words for the same writes (H200 gate, 2026-12-04:
+        # 17 blocks of a finished request written by the replay's load)
+        r"|invariant 'no write into a free block' broken",
         "H200, vLLM 0.26.0, lmcache 0.5.3: LMCache logs 'Retrieved 768 out of 768 "
         "required tokens', pass 2 differs from pass 1 at token 0 (top-2 gap "
         "0.1-0.7 nats), on the V2 and the V1 model runner (2026-12); vLLM PR "

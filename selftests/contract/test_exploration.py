@@ -48,9 +48,13 @@ BAD = {
                                             "get_finished"),
     "BadRematchesFailedEntryConnector": ("faults", "every load finishes",
                                          "get_num_new_matched_tokens"),
-    # a tight pool: vLLM hands the freed blocks to the next request at once
-    "BadFreesBeforeSaveConnector": ("preemption", "no use of blocks vLLM freed",
-                                    "request_finished"),
+    # a tight pool: vLLM hands the freed blocks to the next request at once;
+    # the save (in the next step's start_load_kv, before that request's forward)
+    # reads the harness's mark, as a save of uncomputed tokens would: both
+    # causes are named (test_freed_blocks_handed_to_the_next_request_at_once
+    # tells them apart)
+    "BadFreesBeforeSaveConnector": ("preemption", "saves hold computed KV",
+                                    "request_finished (returned False"),
 }
 
 PROFILE = """\

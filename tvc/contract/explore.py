@@ -922,7 +922,8 @@ class Explorer:
                 method = ("get_num_new_matched_tokens (matched tokens its store does "
                           "not hold) or start_load_kv (a load stopping short)")
             ids = self._preempted_sharing(err)
-            if "another block of its own table" in err and ids:
+            if ids and ("another block of its own table" in err
+                        or "handed it to that request" in err):
                 invariant = "no block table kept across a preemption"
                 method = FREED_INVARIANTS[invariant]
                 err += (f"; request(s) {', '.join(ids[:4])} of this sequence were "

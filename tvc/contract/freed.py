@@ -20,18 +20,19 @@ that request's forward writes it; the base class blesses connectors that read
 freed blocks until then and finish in ``handle_preemptions`` ("evicted blocks
 BEFORE they are overwritten"; vLLM's OffloadingConnector flushes the saves
 that read a reused block there, ``jobs_to_flush``). :class:`FreedBlocks`
-therefore writes its mark into a block only when vLLM hands it out fresh
-(``BlockPool.get_new_blocks``), right after the worker's
-``handle_preemptions``: :data:`FREED_AT_FINISH` or :data:`FREED_AT_PREEMPT`
-for a block freed before, :data:`UNWRITTEN` for one never used. So:
+therefore leaves freed blocks alone and writes :data:`UNWRITTEN` into a block
+vLLM hands out fresh (``BlockPool.get_new_blocks``), right after the worker's
+``handle_preemptions``, until the forward or a load writes it. So:
 
 * a block that changes while free was written after vLLM freed it
   (:meth:`FreedBlocks.check` compares it with its content when freed);
-* a load that brings back a mark was saved from a block after vLLM reused
-  it, or from a block nothing had computed yet (:func:`mark_meaning`).
+* a load that brings back the mark was saved from tokens vLLM had not computed
+  (:func:`mark_meaning`); one that brings back another request's KV was saved
+  from a block after vLLM handed it to that request
+  (:meth:`tvc.contract.worker.ConnectorWorker.first_mismatch`).
 
-The marks are never pattern values (integers, :func:`tvc.contract.worker.
-pattern_values`) nor the harness's load poison (0.5), and are exact in float16,
+The mark is never a pattern value (integers, :func:`tvc.contract.worker.
+pattern_values`) nor the harness's load poison (0.5), and is exact in float16,
 bfloat16 and fp8 (e4m3).
 """
 
@@ -40,14 +41,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-#: a block vLLM freed when its request finished (or was aborted)
-FREED_AT_FINISH = 0.25
-#: a block vLLM freed when it preempted its request
-FREED_AT_PREEMPT = 0.375
 #: a block vLLM allocated that neither the forward nor a load has written yet
 UNWRITTEN = 0.125
 
 USED_AFTER_FREE = "used after vLLM freed it"
+#: what a load that brings back another request's KV says (a save after reuse)
+SAVED_AFTER_REUSE = (
+    ": the entry was saved from a block after vLLM had handed it to that request "
+    f"— {USED_AFTER_FREE} (a save that still read its request's blocks after "
+    "request_finished let vLLM free them, or one through a block table kept "
+    "across a preemption). Fix: ")
 DELAYED_FREE_FIX = (
     "return True from request_finished while a save from the request's blocks is "
     "queued and name the request in finished_sending once it is done (vLLM's "
@@ -69,38 +72,30 @@ def mark_meaning(value: float) -> str:
         that is no mark.
 
     """
-    if value == FREED_AT_FINISH:
-        return ("; it holds the harness's mark of a block vLLM had freed when its "
-                "request finished: the entry was saved (save_kv_layer / "
-                "wait_for_save or a later write-behind) from blocks after "
-                "request_finished let vLLM free them and vLLM had handed them to "
-                f"another request — {USED_AFTER_FREE}. Fix: "
-                + DELAYED_FREE_FIX)
-    if value == FREED_AT_PREEMPT:
-        return ("; it holds the harness's mark of a block vLLM had freed when it "
-                "preempted its request: the entry was saved from the block table "
-                "the request had before its preemption, after vLLM had handed "
-                f"those blocks to another request — {USED_AFTER_FREE}. Fix: "
-                + RESUME_FIX)
     if value == UNWRITTEN:
         return ("; it holds the harness's mark of a block vLLM had allocated but "
                 "nothing had computed yet: the entry was saved from tokens before "
                 "vLLM computed them (the connector counts computed tokens itself "
                 "and its count ran ahead of num_computed_tokens, e.g. it was not "
-                "reset when vLLM preempted the request and recomputed it)")
+                "reset when vLLM preempted the request and recomputed it), or "
+                "from a block after vLLM had freed it and handed it to another "
+                "request, before that request computed there (request_finished "
+                "returned False while a save from the block was queued)")
     return ""
 
 
 #: exploration invariant -> connector method(s) at fault, for what a mark says
 INVARIANTS = {
-    "no use of blocks vLLM freed": (
-        "request_finished (returned False while a save from the blocks was "
-        "queued) / save_kv_layer / wait_for_save"),
     "no block table kept across a preemption": (
         "build_connector_meta / update_state_after_alloc (block ids of before "
         "the preemption)"),
+    "no use of blocks vLLM freed": (
+        "request_finished (returned False while a save from the blocks was "
+        "queued) / save_kv_layer / wait_for_save"),
     "saves hold computed KV": (
-        "build_connector_meta / save_kv_layer (saves tokens not yet computed)"),
+        "build_connector_meta / save_kv_layer (saves tokens not yet computed), "
+        "or request_finished (returned False while a save from the blocks was "
+        "queued)"),
     "no write into a free block": (
         "start_load_kv / wait_for_layer_load (a load into a block vLLM freed)"),
 }
@@ -113,9 +108,7 @@ def blame(text: str) -> tuple[str, str] | None:
         text: a load error of :class:`tvc.contract.worker.ConnectorWorker`.
 
     """
-    if "freed when it preempted" in text:
-        name = "no block table kept across a preemption"
-    elif USED_AFTER_FREE in text:
+    if USED_AFTER_FREE in text:
         name = "no use of blocks vLLM freed"
     elif "before vLLM computed them" in text:
         name = "saves hold computed KV"
@@ -164,34 +157,32 @@ def _set_rows(kv: Any, ids: Any, value: float) -> None:
 
 
 class FreedBlocks:
-    """The blocks vLLM freed, and the marks in blocks it hands out again.
+    """The blocks vLLM freed, and the mark in blocks it hands out fresh.
 
     A freed block keeps its content, as in vLLM, until vLLM hands it out again
     fresh; then, once the connector's ``handle_preemptions`` returned (where
     vLLM's OffloadingConnector waits for saves still reading a reused block,
-    ``jobs_to_flush``, offloading/worker.py 0.26-0.33), it gets its mark: the
-    reason it was freed, or :data:`UNWRITTEN` for a block never used. A write
-    into a block while it is free is found by comparing it with its content
-    when vLLM freed it (:meth:`check`).
+    ``jobs_to_flush``, offloading/worker.py 0.26-0.33), it gets
+    :data:`UNWRITTEN`. A write into a block while it is free is found by
+    comparing it with its content when vLLM freed it (:meth:`check`).
 
     Args:
         kv_caches: layer name -> the worker's KV tensor (block-major layouts
             of :func:`tvc.contract.worker.token_view`).
 
     Attributes:
-        freed: block id -> (mark, what freed it) for blocks free now.
+        freed: block id -> what freed it, for blocks free now.
         kept: block id -> layer name -> the block's content when vLLM freed it.
-        due: block id -> mark, for blocks handed out fresh since the last
-            :meth:`flush`.
+        due: blocks handed out fresh since the last :meth:`flush`.
         uses: one sentence per write into a freed block (:meth:`check`).
 
     """
 
     def __init__(self, kv_caches: dict[str, Any]) -> None:
         self.kv = kv_caches
-        self.freed: dict[int, tuple[float, str]] = {}
+        self.freed: dict[int, str] = {}
         self.kept: dict[int, dict[str, Any]] = {}
-        self.due: dict[int, float] = {}
+        self.due: set[int] = set()
         self.uses: list[str] = []
         self.step = 0
         self._why = ""
@@ -222,10 +213,9 @@ class FreedBlocks:
         def free_blocks(blocks: Iterable[Any]) -> Any:
             blocks = list(blocks)
             ret = orig_free_blocks(blocks)
-            mark = FREED_AT_PREEMPT if "preempted" in self._why else FREED_AT_FINISH
             self.freed_now([b.block_id for b in blocks
                             if b.ref_cnt == 0 and not getattr(b, "is_null", False)],
-                           mark, self._why or "by vLLM")
+                           self._why or "by vLLM")
             return ret
 
         def touch(blocks: Any) -> Any:
@@ -241,7 +231,7 @@ class FreedBlocks:
         pool.free_blocks, pool.touch = free_blocks, touch
         pool.get_new_blocks = get_new_blocks
 
-    def freed_now(self, blocks: list[int], mark: float, why: str) -> None:
+    def freed_now(self, blocks: list[int], why: str) -> None:
         """Note blocks vLLM just freed; keep their content for :meth:`check`."""
         import torch
 
@@ -254,35 +244,35 @@ class FreedBlocks:
             for j, b in enumerate(blocks):
                 self.kept.setdefault(b, {})[name] = rows.select(_block_dim(kv), j)
         for b in blocks:
-            self.freed[b] = (mark, f"{why}, engine step {self.step}")
+            self.freed[b] = f"{why}, engine step {self.step}"
 
     def handed_out(self, blocks: list[int], fresh: bool) -> None:
-        """Blocks vLLM hands to a request: fresh ones get a mark at :meth:`flush`.
+        """Blocks vLLM hands to a request: fresh ones get the mark at :meth:`flush`.
 
         A local prefix-cache hit (``fresh=False``) keeps the content as it is.
         """
         for b in blocks:
-            info = self.freed.pop(b, None)
+            self.freed.pop(b, None)
             self.kept.pop(b, None)
             if fresh:
-                self.due[b] = info[0] if info is not None else UNWRITTEN
+                self.due.add(b)
 
     def flush(self) -> None:
-        """Write the marks of the blocks handed out fresh (after handle_preemptions).
+        """Mark the blocks handed out fresh (call after handle_preemptions).
 
         What vLLM's forward would overwrite from here on; synchronized on CUDA
-        so that a transfer on the connector's own stream sees the marks.
+        so that a transfer on the connector's own stream sees the mark.
         """
         import torch
 
-        due, self.due = self.due, {}
+        due, self.due = sorted(self.due), set()
+        if not due:
+            return
+        ids = torch.tensor(due, dtype=torch.long)
         cuda = False
-        for mark in sorted(set(due.values())):
-            ids = torch.tensor([b for b, m in due.items() if m == mark],
-                               dtype=torch.long)
-            for kv in self.kv.values():
-                _set_rows(kv, ids, mark)
-                cuda = cuda or kv.is_cuda
+        for kv in self.kv.values():
+            _set_rows(kv, ids, UNWRITTEN)
+            cuda = cuda or kv.is_cuda
         if cuda:
             torch.cuda.synchronize()
 
@@ -325,7 +315,7 @@ class FreedBlocks:
                     continue
                 seen.add(b)
                 out.append(
-                    f"layer {name}: block {b}, freed {self.freed[b][1]}, was "
+                    f"layer {name}: block {b}, freed {self.freed[b]}, was "
                     f"written in {where} while free — {USED_AFTER_FREE}: the "
                     "connector wrote into a block no request of this step owns "
                     "(a load into a block table vLLM no longer uses, or a load "

@@ -19,8 +19,8 @@ from tvc.contract.compat import HarnessIncompatible, engine_forward_context
 from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
 from tvc.contract.freed import (
-    FREED_AT_FINISH,
-    FREED_AT_PREEMPT,
+    DELAYED_FREE_FIX,
+    SAVED_AFTER_REUSE,
     UNWRITTEN,
     holds,
     mark_meaning,
@@ -33,7 +33,12 @@ from tvc.core.error_hints import hint_prefix
 POISON = 0.5
 
 #: the marks of :mod:`tvc.contract.freed` a load may bring back from the store
-MARKS = (FREED_AT_FINISH, FREED_AT_PREEMPT, UNWRITTEN)
+MARKS = (UNWRITTEN,)
+#: other requests :meth:`ConnectorWorker._other_requests_kv` looks through (newest
+#: first), and for how many wrong loads of one worker (a connector whose every
+#: load is wrong would otherwise pay the search at each one)
+WHOSE_KV_REQUESTS = 64
+WHOSE_KV_SEARCHES = 8
 
 # --------------------------------------------------------------- KV cache + pattern
 # The attention backend, the KV allocation and the forward context differ between
@@ -478,6 +483,7 @@ class ConnectorWorker:
         self._reported_now: dict[str, int] = {}
         self.freed: Any = None  # FreedBlocks once watch_frees ran
         self._poison_due: list[tuple[list[int], int, int]] = []
+        self._searches = 0  # _other_requests_kv calls so far
         self._steps = 0
 
     def _layout_choice(self, runner: tuple[str, str], cross: Any) -> Any:
@@ -651,8 +657,10 @@ class ConnectorWorker:
                 rest = got[~per_tok] if kv.dim() == 4 else got[:, ~per_tok]
                 zero = not bool(rest.ne(0).any())
                 poisoned = not bool(rest.ne(POISON).any())
-                marked = next((mark_meaning(m) for m in MARKS if holds(rest, m)),
-                              "")
+                marked = "" if zero or poisoned else self._other_requests_kv(
+                    req_id, name, i, start + bad)
+                marked = marked or next(
+                    (mark_meaning(m) for m in MARKS if holds(rest, m)), "")
                 if not (zero or poisoned or marked):
                     marked = self._whose_kv(req_id, name, i, start + bad)
                 worst = (start + bad,
@@ -673,11 +681,13 @@ class ConnectorWorker:
         A diagnosis for a mismatch: a load into (or a save from) the wrong layer
         holds the same tokens' KV of another layer; one through the wrong block
         of the request's own table holds another position's KV of the same
-        prompt.
+        prompt; a save from a block vLLM had handed to another request holds
+        that request's KV (the newest :data:`WHOSE_KV_REQUESTS` are searched).
 
         Returns:
             "; the slots hold layer X's KV of these tokens", "; the block holds
-            the KV of tokens [a, b) of this request", or "".
+            the KV of tokens [a, b) of this request", "; the block holds the KV
+            of tokens [a, b) of request R: …", or "".
 
         """
         import torch
@@ -709,6 +719,55 @@ class ConnectorWorker:
                 return (f"; the block holds the KV of tokens [{j * b}, "
                         f"{(j + 1) * b}) of this request (another block of its own "
                         "table)")
+        return ""
+
+    def _other_requests_kv(self, req_id: str, name: str, layer: int, pos: int
+                           ) -> str:
+        """Whether the block of ``pos`` holds, where it is wrong, another request's KV.
+
+        A save from a block vLLM had handed to another request (the newest
+        :data:`WHOSE_KV_REQUESTS` are searched) stores that request's KV, in
+        the tokens it computed there (the rest may hold :data:`UNWRITTEN`).
+
+        Returns:
+            "; the block holds the KV of tokens [a, b) of request R: …" or "".
+
+        """
+        import torch
+
+        b = self.block_size
+        k = pos // b
+        n = min(len(self.tokens.get(req_id, ())),
+                len(self.block_table.get(req_id, ())) * b, (k + 1) * b)
+        if n <= k * b or self._searches >= WHOSE_KV_SEARCHES:
+            return ""
+        self._searches += 1
+        kv = self.kv_caches[name]
+        blocks, offs, pos_k, tok_k = self._token_slots(req_id, k * b, n)
+        got = self.read_slots(name, blocks, offs)
+        li = layer_index(name, layer)
+
+        def per_token(eq: Any) -> Any:
+            return eq.reshape(eq.shape[0], -1).all(dim=1) if kv.dim() == 4 \
+                else eq.transpose(0, 1).reshape(eq.shape[1], -1).all(dim=1)
+
+        wrong = ~per_token(got == self.pattern(kv, li, pos_k, tok_k))
+        own = self.tokens[req_id]
+        others = [r for r in self.tokens if r != req_id][-WHOSE_KV_REQUESTS:]
+        for rid in reversed(others):
+            toks = self.tokens[rid]
+            for j in range(-(-len(toks) // b)):
+                m = min(n - k * b, len(toks) - j * b)
+                if toks[j * b:j * b + m] == own[j * b:j * b + m]:
+                    continue  # a shared prefix: this request's own KV there
+                pos_j = torch.arange(j * b, j * b + m, dtype=torch.long)
+                tok_j = torch.tensor(toks[j * b:j * b + m], dtype=torch.long)
+                part = got[:m] if kv.dim() == 4 else got[:, :m]
+                hit = per_token(part == self.pattern(kv, li, pos_j, tok_j))
+                if bool((hit & wrong[:m]).any()):
+                    return (f"; the block holds the KV of tokens [{j * b}, "
+                            f"{j * b + m}) of request {rid}" + SAVED_AFTER_REUSE
+                            + DELAYED_FREE_FIX)
         return ""
 
     def read_slots(self, name: str, blocks: Any, offsets: Any) -> Any:

@@ -137,7 +137,7 @@ def _rows(kv: Any, ids: Any) -> Any:
     return kv.index_select(_block_dim(kv), ids.to(kv.device))
 
 
-def _set_rows(kv: Any, ids: Any, value: float) -> None:
+def fill_blocks(kv: Any, ids: Any, value: float) -> None:
     """Fill the given blocks of a layer tensor with ``value`` (in place).
 
     Through an integer view of the same bytes where the layout allows it: a
@@ -271,16 +271,10 @@ class FreedBlocks:
         ids = torch.tensor(due, dtype=torch.long)
         cuda = False
         for kv in self.kv.values():
-            _set_rows(kv, ids, UNWRITTEN)
+            fill_blocks(kv, ids, UNWRITTEN)
             cuda = cuda or kv.is_cuda
         if cuda:
             torch.cuda.synchronize()
-
-    def zeroed(self) -> None:
-        """After the worker zeroed its KV: the kept content of free blocks is zero."""
-        for kept in self.kept.values():
-            for t in kept.values():
-                t.zero_()
 
     def check(self, where: str) -> list[str]:
         """Blocks written while free since the last check.

@@ -546,11 +546,27 @@ class ConnectorWorker:
         self._expected_loads = dict(loads)
 
     def zero(self) -> None:
-        """Zero every KV tensor (the load must then restore exactly the hit)."""
+        """Zero the KV tensors (the load must then restore exactly the hit).
+
+        Where vLLM's frees are watched (:meth:`watch_frees`), the blocks vLLM
+        has free keep their KV: vLLM never writes a free block, and a save a
+        connector finishes later from a freed block (vLLM's OffloadingConnector
+        stores a finished request's last blocks a step or more after it ends)
+        must read what the request computed. They get the unwritten mark when
+        vLLM hands them out again.
+        """
+        import torch
+
+        from tvc.contract.freed import fill_blocks
+
+        keep = set(self.freed.freed) if self.freed is not None else set()
         for t in self.kv_caches.values():
-            t.zero_()
-        if self.freed is not None:
-            self.freed.zeroed()
+            if not keep:
+                t.zero_()
+                continue
+            n = t.shape[0 if t.dim() == 4 else 1]
+            fill_blocks(t, torch.tensor([b for b in range(n) if b not in keep],
+                                        dtype=torch.long), 0.0)
 
     def _track(self, so: Any) -> list[tuple[str, int, int]]:
         """Update block tables; return (req_id, start, end) token ranges computed."""

@@ -1336,7 +1336,9 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
       last token: a prompt of two whole chunks (``k * chunk`` tokens, whole
       blocks) is stored and replayed exactly, so a lookup may match at most
       ``len - 1`` tokens (the scheduler's ``num_computed_tokens = num_tokens -
-      1``), and a correct ``len - 1`` answer loads.
+      1``), and a correct ``len - 1`` answer loads; and a stored prompt of one
+      chunk and two tokens replayed with ``chunk - 1`` more
+      (:func:`_extended_replay`).
 
     Returns:
         how many sequences ran.
@@ -1348,7 +1350,7 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
     """
     fixed: list[Callable[[Explorer], None]] = []
     if family.name == "core":
-        fixed.append(_whole_prompt_hit)
+        fixed += [_whole_prompt_hit, _extended_replay]
     if family.preemption:
         fixed += [_stranded_load, _preempted_prefill]
     for seq in fixed:
@@ -1383,6 +1385,19 @@ def _whole_prompt_hit(ex: Explorer) -> None:
     """A stored prompt of two whole chunks replayed exactly (at most len - 1)."""
     ex.warm([(1, ex.chunk)])
     ex.add(0, 1, replay_of=0, max_tokens=2)
+    ex.finish()
+
+
+def _extended_replay(ex: Explorer) -> None:
+    """A stored prompt of one chunk and two tokens, replayed with chunk - 1 more.
+
+    The replay is ``2 * chunk + 1`` tokens long: its lookup covers the stored
+    prompt's whole chunk, its last whole chunk is not stored (ExampleConnector
+    looks it up under its first ``align(len - 1)`` tokens and loads the file of
+    ``align(len)``: a drawn sequence meets this only on some seeds).
+    """
+    ex.warm([(1, 2)])
+    ex.add(0, ex.chunk, replay_of=0, max_tokens=2)
     ex.finish()
 
 

@@ -260,21 +260,16 @@ class FreedBlocks:
     def flush(self) -> None:
         """Mark the blocks handed out fresh (call after handle_preemptions).
 
-        What vLLM's forward would overwrite from here on; synchronized on CUDA
-        so that a transfer on the connector's own stream sees the mark.
+        What vLLM's forward would overwrite from here on (the caller makes the
+        marks visible to other CUDA streams before the load starts).
         """
         import torch
 
         due, self.due = sorted(self.due), set()
-        if not due:
-            return
-        ids = torch.tensor(due, dtype=torch.long)
-        cuda = False
-        for kv in self.kv.values():
-            fill_blocks(kv, ids, UNWRITTEN)
-            cuda = cuda or kv.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
+        if due:
+            ids = torch.tensor(due, dtype=torch.long)
+            for kv in self.kv.values():
+                fill_blocks(kv, ids, UNWRITTEN)
 
     def check(self, where: str) -> list[str]:
         """Blocks written while free since the last check.

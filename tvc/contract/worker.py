@@ -22,6 +22,7 @@ from tvc.contract.freed import (
     DELAYED_FREE_FIX,
     SAVED_AFTER_REUSE,
     UNWRITTEN,
+    fill_blocks,
     holds,
     mark_meaning,
 )
@@ -32,8 +33,6 @@ from tvc.core.error_hints import hint_prefix
 #: :func:`pattern_values`), exact in float16/bfloat16
 POISON = 0.5
 
-#: the marks of :mod:`tvc.contract.freed` a load may bring back from the store
-MARKS = (UNWRITTEN,)
 #: other requests :meth:`ConnectorWorker._other_requests_kv` looks through (newest
 #: first), and for how many wrong loads of one worker (a connector whose every
 #: load is wrong would otherwise pay the search at each one)
@@ -557,8 +556,6 @@ class ConnectorWorker:
         """
         import torch
 
-        from tvc.contract.freed import fill_blocks
-
         keep = set(self.freed.freed) if self.freed is not None else set()
         for t in self.kv_caches.values():
             if not keep:
@@ -675,8 +672,8 @@ class ConnectorWorker:
                 poisoned = not bool(rest.ne(POISON).any())
                 marked = "" if zero or poisoned else self._other_requests_kv(
                     req_id, name, i, start + bad)
-                marked = marked or next(
-                    (mark_meaning(m) for m in MARKS if holds(rest, m)), "")
+                if not marked and holds(rest, UNWRITTEN):
+                    marked = mark_meaning(UNWRITTEN)
                 if not (zero or poisoned or marked):
                     marked = self._whose_kv(req_id, name, i, start + bad)
                 worst = (start + bad,
@@ -816,18 +813,37 @@ class ConnectorWorker:
         import torch
 
         blocks, offs, _pos = slots_for(table, start, end, self.block_size)
-        cuda = False
         for name in self.names:
             kv = self.kv_caches[name]
             b, o = blocks.to(kv.device), offs.to(kv.device)
             set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), POISON))
-            cuda = cuda or kv.is_cuda
-        if cuda:
-            # the poison is the harness's, not the engine's: it must be in memory
-            # before the load starts. A load on its own CUDA stream need not wait
-            # for the compute stream (vLLM 0.26's OffloadingConnector waits only
-            # when it offloads, v1/kv_offload/cpu/gpu_worker.py; 0.28 always
-            # waits), so a poison still queued there could land after the load
+
+    def _before_load(self, expected: dict[str, tuple[int, int]]) -> None:
+        """The harness's writes before a step's loads: marks, then poison.
+
+        Right after ``handle_preemptions`` (where a connector finishes what
+        still reads a block vLLM hands out again): the unwritten mark of blocks
+        handed out fresh (:meth:`tvc.contract.freed.FreedBlocks.flush`), then
+        the poison of this step's synchronous loads (``expected``) and of the
+        asynchronous loads :meth:`poison_blocks` queued.
+        """
+        import torch
+
+        if self.freed is not None:
+            self.freed.flush()
+        for rid, (lo, hi) in expected.items():
+            if rid in self.block_table:
+                self.poison(rid, lo, hi)
+        due, self._poison_due = self._poison_due, []
+        for table, lo, hi in due:
+            self._poison_slots(table, lo, hi)
+        if any(kv.is_cuda for kv in self.kv_caches.values()):
+            # the writes are the harness's, not the engine's: they must be in
+            # memory before the load starts. A load on its own CUDA stream need
+            # not wait for the compute stream (vLLM 0.26's OffloadingConnector
+            # waits only when it offloads, v1/kv_offload/cpu/gpu_worker.py;
+            # 0.28 always waits), so a write still queued there could land
+            # after the load
             torch.cuda.synchronize()
 
     def find_shift(self, req_id: str, start: int, end: int, max_shift: int
@@ -944,16 +960,7 @@ class ConnectorWorker:
                 # gpu/kv_connector.py L67-L68)
                 if hasattr(c, "handle_preemptions"):
                     c.handle_preemptions(meta)
-                if self.freed is not None:  # the marks of blocks handed out
-                    self.freed.flush()
-                # after handle_preemptions, where a connector finishes what
-                # still reads a block vLLM hands out again
-                for rid, (lo, hi) in expected.items():
-                    if rid in self.block_table:
-                        self.poison(rid, lo, hi)
-                due, self._poison_due = self._poison_due, []
-                for table, lo, hi in due:
-                    self._poison_slots(table, lo, hi)
+                self._before_load(expected)
                 step = "bind_connector_metadata"
                 c.bind_connector_metadata(meta)
                 step = "start_load_kv"

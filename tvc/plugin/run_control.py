@@ -527,53 +527,70 @@ class QuietWorkerStart:
     A worker is a fresh ``python -c`` that imports execnet before pytest; a SIGINT
     then (the terminal sends it to every process of the group) prints the
     worker's interpreter traceback over the output. While the controller spawns
-    a worker, SIGINT is blocked (``pthread_sigmask``; the mask is inherited by the
-    child), so the new worker starts with SIGINT held; the controller unblocks it
-    right after each spawn (a Ctrl-C held meanwhile is delivered to it then, and
-    it stops the run as usual). The worker releases it in its
-    ``pytest_configure`` (:func:`release_worker_sigint`), dropping a Ctrl-C held
-    during its start: the controller got the same one and stops the workers.
+    a worker, SIGINT is blocked in its main thread (``pthread_sigmask``; the mask
+    is inherited by the child), so the new worker starts with SIGINT held. The
+    kernel may still hand the controller's SIGINT to another of its threads (a
+    native library's, which the mask does not cover); Python would then raise
+    KeyboardInterrupt in the main thread in the middle of a spawn, leaving a
+    worker that never gets its bootstrap and prints a traceback when its stdin
+    closes (seen in CI). So the controller's handler only records the SIGINT
+    until the spawn is over. After each spawn a held or recorded Ctrl-C stops the
+    start and is handed to the previous handler, synchronously. The worker
+    releases SIGINT in its ``pytest_configure`` (:func:`release_worker_sigint`),
+    dropping a Ctrl-C held during its start: the controller got the same one
+    and stops the workers.
     """
 
     def __init__(self, workers: int) -> None:
         self.left = workers
         self.blocked = False
+        self.recorded = False
+        self._old: Any = None
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.recorded = True
 
     def start(self) -> None:
-        """Block SIGINT for the first spawn (main thread only)."""
+        """Hold SIGINT for the first spawn (main thread only)."""
         if self.left > 0 and threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._record)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             self.blocked = True
 
     def spawned(self) -> None:
-        """One worker is spawned: unblock after the last, or at once on a Ctrl-C.
-
-        A Ctrl-C held meanwhile is taken off the pending set and its handler is
-        called here, synchronously: left to the interpreter, the handler could run
-        only later, inside the next worker's spawn, which then leaves a worker
-        that never gets its bootstrap and prints a traceback when its stdin
-        closes (seen in CI, 1 of ~20 runs).
-        """
+        """One worker is spawned: release after the last, or at once on a Ctrl-C."""
         self.left -= 1
+        if self.blocked and (self.left <= 0 or self.recorded
+                             or signal.SIGINT in signal.sigpending()):
+            self.stop()
+
+    def stop(self) -> None:
+        """Put the previous handler back, unblock SIGINT, deliver a held Ctrl-C.
+
+        A Ctrl-C held or recorded meanwhile is taken off the pending set and handed
+        to the previous handler here, synchronously, between two spawns.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C was held and the previous handler is the
+                default one.
+
+        """
         if not self.blocked:
             return
+        self.blocked = False
+        self.left = 0
         if signal.SIGINT in signal.sigpending():
             signal.sigtimedwait({signal.SIGINT}, 0)
-            self.stop()
-            handler = signal.getsignal(signal.SIGINT)
+            self.recorded = True
+        handler, self._old = self._old, None
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if self.recorded:
+            self.recorded = False
             if callable(handler):
                 handler(signal.SIGINT, None)
             elif handler == signal.SIG_DFL:
                 raise KeyboardInterrupt
-        elif self.left <= 0:
-            self.stop()
-
-    def stop(self) -> None:
-        """Unblock SIGINT (a held one is delivered now)."""
-        if self.blocked:
-            self.blocked = False
-            self.left = 0
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def release_worker_sigint() -> bool:

@@ -237,7 +237,7 @@ def exploration(tmp: Path) -> None:
     from tvc.contract import explore as E
     from tvc.contract import make_rig
     from tvc.contract.faults import fault_injector_for
-    from tvc.contract.scenarios import chunk_tokens
+    from tvc.contract.steps import chunk_tokens
     from tvc.core import run_store
 
     path = tmp / "x.toml"

@@ -421,7 +421,7 @@ def test_a_live_writer_in_the_exploration_store_is_left_alone(tmp_path: Path
     without the writer the same fault is made."""
     from tvc.contract import explore as E
     from tvc.contract import make_rig
-    from tvc.contract.scenarios import chunk_tokens
+    from tvc.contract.steps import chunk_tokens
 
     prof = load(str(_profile(tmp_path, f'[scratch]\ndir = "{tmp_path / "s"}"\n')),
                 env={})

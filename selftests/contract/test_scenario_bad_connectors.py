@@ -51,7 +51,7 @@ CASES = {
     "StoresNothingUnderChunkConnector": (
         "test_granularity and cpu", "the connector stores nothing for it", ""),
     "StoresFirstChunkOnlyConnector": (
-        "test_chunked_prefill and cpu", "scenario chunked_prefill: engine step", ""),
+        "test_chunked_prefill_stores and cpu", "engine step", ""),
 }
 
 PROFILE = """\
@@ -116,9 +116,9 @@ def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
     default on CUDA in 0.26.0); the preemption scenario must still see the
     resumption instead of calling itself vacuous (on the H200: "the worker never
     saw the preempted request resumed" for cpu-offload's CUDA variant)."""
+    from suites.contract.test_scenarios import test_preemption_and_resume
     from tvc import contract as C
     from tvc.config.profile import load
-    from tvc.contract import scenarios as S
 
     prof = tmp_path / "control.toml"
     prof.write_text(PROFILE.format(
@@ -137,8 +137,9 @@ def test_worker_sees_a_resumed_request_sent_as_new(tmp_path) -> None:
         rigs.append(rig)
         return rig
 
-    out = S.preemption_and_resume(factory, profile)
-    assert out["preempted"] >= 1 and rigs[-1].worker is not None
+    recorded: dict = {}
+    test_preemption_and_resume(factory, profile, recorded.__setitem__)
+    assert recorded["scenario"]["preempted"] >= 1 and rigs[-1].worker is not None
     assert rigs[-1].worker.resumed, "the worker never recorded the resumed request"
 
 

@@ -1,10 +1,13 @@
-"""Fixtures and the one scenario runner shared by the contract tier's test modules."""
+"""Fixtures shared by the contract tier's test modules; how a refused step reads."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from tvc.contract import scenarios as S
+from tvc.contract import steps as S
+from tvc.core.error_hints import describe_failure
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.hw_any, id="cpu"),
            pytest.param("cuda", marks=pytest.mark.hw_gpu, id="cuda")]
@@ -42,3 +45,21 @@ def make_rig(request, rig_factory, contract_profile, tvc_missing_hardware):
 
     return factory
 
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Iterator[None]:
+    """A contract test's steps: NotApplicable skips, ScenarioError fails in one line.
+
+    A bare ``assert`` inside the connector or vLLM carries no message; the
+    failure then names its file, line and source (:func:`describe_failure`).
+    """
+    try:
+        return (yield)
+    except S.NotApplicable as exc:
+        pytest.skip(str(exc))
+    except S.ScenarioError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    except AssertionError as exc:
+        if str(exc).strip():
+            raise
+        raise AssertionError(describe_failure(exc)) from exc

@@ -23,7 +23,7 @@ import pytest
 
 from tvc import contract as C
 from tvc.config.profile import Profile
-from tvc.contract import scenarios as S
+from tvc.contract import steps as S
 from tvc.contract import tp as TP
 from tvc.contract.coverage import PROPERTY, merge_logs
 from tvc.env import hardware

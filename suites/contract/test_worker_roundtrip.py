@@ -20,7 +20,7 @@ import itertools
 import pytest
 
 from tvc import contract as C
-from tvc.contract import scenarios as S
+from tvc.contract import steps as S
 
 pytestmark = [pytest.mark.contract]
 

@@ -45,7 +45,7 @@ MAX_LOG_LINE_CHARS = 4096  # characters of a server log line that search_log rea
 #   bounded time on every line
 MAX_CONTEXT_TOKENS = 131_072  # the longest context of the models the tiers serve
 CONTRACT_MAX_MODEL_LEN = 4096  # tvc.contract.builders.DEFAULT_MAX_MODEL_LEN (tokens)
-CONTRACT_BLOCK_SIZE = 16  # tvc.contract.scenarios.BLOCK_SIZE (tokens)
+CONTRACT_BLOCK_SIZE = 16  # tvc.contract.steps.BLOCK_SIZE (tokens)
 # prompt lengths and block sizes a hit rule must evaluate on (block sizes vLLM
 # allows on CUDA are powers of two from 1 to 128 tokens)
 RULE_PROBE_LENS = (1, 2, 15, 16, 17, 63, 64, 65, 599, 600, 601)

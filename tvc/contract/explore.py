@@ -1658,7 +1658,7 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
     """
     from tvc.contract import make_rig
     from tvc.contract.faults import fault_injector_for
-    from tvc.contract.scenarios import chunk_tokens
+    from tvc.contract.steps import chunk_tokens
 
     defaults = dict(rig_defaults or {})
     real = defaults.get("device", "cpu") in profile["connector"]["worker_devices"]

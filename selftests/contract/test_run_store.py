@@ -1,6 +1,7 @@
 """Each session gets its own connector store: a replayed run reproduces, none piles up.
 
-Found by a fresh-user trial: ``TVC_CONTRACT_NONCE=12345 pytest -m contract`` run twice
+Found by a fresh-user trial: ``pytest -m contract`` run twice with one seed (then
+``TVC_CONTRACT_NONCE=12345``, now ``--tvc-seed=12345``)
 failed a correct connector the second time (``test_prefix_sharing...: matched 96
 tokens (false hit)`` and a bfloat16 round trip loading float16 files), because the
 first run's KV files stayed in ``<scratch>/example-store``, which grew by ~9 MB a run.
@@ -145,22 +146,22 @@ def _replay_profile(tmp_path: Path) -> Path:
     return path
 
 
-def test_contract_replay_with_same_nonce_reproduces_and_leaves_no_store(
+def test_contract_replay_with_same_seed_reproduces_and_leaves_no_store(
         tmp_path: Path) -> None:
     profile = _replay_profile(tmp_path)
     scratch = tmp_path / "scratch"
     env = {k: v for k, v in os.environ.items()
            if k not in ("TVC_PROFILE", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
-    env["TVC_CONTRACT_NONCE"] = "12345"
     for attempt in (1, 2):
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "suites/contract", "-m", "contract",
              "-k", REPLAYED, "--tvc-profile", str(profile), "-p", "no:cacheprovider",
-             "-p", "no:xdist", "-q", "--tvc-report-dir", str(tmp_path / f"r{attempt}")],
+             "-p", "no:xdist", "-q", "--tvc-seed=12345",
+             "--tvc-report-dir", str(tmp_path / f"r{attempt}")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and re.search(r"^3 passed\b", out, re.M), (
-            f"run {attempt} with TVC_CONTRACT_NONCE=12345 did not pass all 3 tests "
+            f"run {attempt} with --tvc-seed=12345 did not pass all 3 tests "
             f"(exit {proc.returncode}); a replay must reproduce the first run, "
             f"not find its KV. Output tail:\n{out[-3000:]}")
     left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")

@@ -24,12 +24,6 @@ FAMILY_NAMES = ["core", "one_token", "preemption", "tenants", "faults"]
 MAX_ROUNDS = 4  # rounds of --tvc-explore-examples sequences drawn to meet premises
 
 
-def _seed(tvc_seed: int | None) -> int:
-    from tvc.contract.builders import RUN_NONCE
-
-    return int(tvc_seed) if tvc_seed is not None else RUN_NONCE
-
-
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_contract_holds_over_explored_event_sequences(
         family, contract_profile, contract_scratch, contract_rig_defaults, request,
@@ -59,7 +53,7 @@ def test_contract_holds_over_explored_event_sequences(
     # from the next seed, up to MAX_ROUNDS; only then do the premises fail
     try:
         for round_ in range(MAX_ROUNDS):
-            stats.seeds.append(_seed(tvc_seed) + round_)
+            stats.seeds.append(tvc_seed + round_)
             E.explore(new_explorer, fam, examples=examples,
                       seed=stats.seeds[-1], stats=stats)
             if not E.premises_missing(stats, fam):

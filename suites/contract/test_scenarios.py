@@ -54,12 +54,6 @@ from tvc.contract.steps import (
 pytestmark = [pytest.mark.contract]
 
 
-def _seed(tvc_seed: int | None) -> int:
-    from tvc.contract.builders import RUN_NONCE
-
-    return int(tvc_seed) if tvc_seed else RUN_NONCE
-
-
 def test_local_prefix_cache_hit_then_external_hit(make_rig, contract_profile,
                                                   record_property) -> None:
     """The first k blocks in vLLM's local prefix cache, the rest in the store.
@@ -511,7 +505,7 @@ def test_volume_of_stores_and_loads(make_rig, contract_profile, tvc_seed,
     plus a random tail (seeded), ``batch`` per step, until both counts reach
     ``n`` (a replay the rule gives 0 loads nothing).
     """
-    n, seed, batch = tvc_depth.scenario_volume, _seed(tvc_seed), 32
+    n, seed, batch = tvc_depth.scenario_volume, tvc_seed, 32
     rng = random.Random(seed)
     b = BLOCK_SIZE
     max_len = 4 * chunk_tokens(contract_profile, b) + b

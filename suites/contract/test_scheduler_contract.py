@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tvc import contract as C
+from tvc.core.seed import run_seed
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
 
@@ -205,8 +206,8 @@ def test_prefix_sharing_sequences_never_overmatch(rig_factory, block_size,
         assert matched <= bound, (
             f"request of {len(toks)} tokens whose longest common prefix with any "
             f"stored prompt is {common} tokens matched {matched} (> {bound}, "
-            f"block {b}): false hit. Reproduce with TVC_CONTRACT_NONCE="
-            f"{C.RUN_NONCE} and the printed example")
+            f"block {b}): false hit. Reproduce with the printed example and "
+            f"--tvc-seed={run_seed()}")
         C.assert_block_aligned(matched, b, len(toks), local, is_async)
         stored.append(list(toks))
     if rig.worker is not None:

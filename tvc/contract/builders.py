@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 from tvc.config.profile import Profile
 from tvc.contract import compat
 from tvc.core.run_store import isolate_store_paths
+from tvc.core.seed import run_seed
 
 # Tiny Llama used only for its config (no weights are loaded by the contract tier).
 TINY_VOCAB_SIZE = 32000  # token ids drawn below this
@@ -24,9 +23,6 @@ TINY_NUM_LAYERS = 2
 EOS_TOKEN_ID = 2  # Llama convention; never sampled by the driver
 SAMPLED_TOKEN_ID = 7  # the fake model always samples this token
 
-# Mixed into every prompt so that a persistent store (files from an earlier run)
-# cannot turn a "cold" prompt warm. Set TVC_CONTRACT_NONCE to replay a run.
-RUN_NONCE = int(os.environ.get("TVC_CONTRACT_NONCE") or uuid.uuid4().int % 10**9)
 
 DEFAULT_NUM_BLOCKS = 512  # GPU KV blocks in the scheduler's pool (real capacity)
 DEFAULT_MAX_MODEL_LEN = 4096  # tokens
@@ -191,7 +187,7 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                                cache_dtype=cache_dtype,
                                prefix_caching_hash_algo=hash_algo)
     # Store paths under the profile's scratch move to this session's own folder, so
-    # a replayed run (same TVC_CONTRACT_NONCE) finds no KV of an earlier run.
+    # a replayed run (same --tvc-seed) finds no KV of an earlier run.
     ktc = isolate_store_paths(kv_transfer_config or profile.kv_transfer_config(),
                               profile.scratch,
                               devices=profile["store"]["test_devices"])
@@ -345,8 +341,9 @@ def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
     """
     import random
 
-    rng = random.Random(f"{RUN_NONCE}-{seed}")
-    return [10 + (seed * 131 + RUN_NONCE) % 9973] + [
+    nonce = run_seed()  # the run's: --tvc-seed replays the same token ids
+    rng = random.Random(f"{nonce}-{seed}")
+    return [10 + (seed * 131 + nonce) % 9973] + [
         rng.randrange(10, TINY_VOCAB_SIZE) for _ in range(num_tokens - 1)]
 
 

@@ -55,12 +55,13 @@ from typing import Any
 
 from tvc.config.depth import DEFAULT as DEFAULT_DEPTH
 from tvc.config.depth import DEPTHS
-from tvc.contract.builders import RUN_NONCE, TINY_VOCAB_SIZE, make_request
+from tvc.contract.builders import TINY_VOCAB_SIZE, make_request
 from tvc.contract.driver import EngineStepError
 from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
 from tvc.contract.freed import RESUME_FIX, blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
 from tvc.contract.worker import SHORT_LOAD, ConnectorWorker
+from tvc.core.seed import run_seed
 from tvc.core.watchdog import Stuck
 
 BLOCK_SIZE = 16  # B of every exploration rig (the scenarios' block size)
@@ -308,7 +309,7 @@ class Explorer:
         self.make_rig, self.chunk, self.family = make_rig, chunk, family
         self.policy, self.stats = policy, stats or Stats()
         self.injector_for = injector_for
-        self.ns = f"{RUN_NONCE}-{next(_NAMESPACES)}"
+        self.ns = f"{run_seed()}-{next(_NAMESPACES)}"
         b = BLOCK_SIZE
         max_len = MAX_CHUNKS * chunk + b + 1
         per_req = -(-(max_len + MAX_DECODE) // b)

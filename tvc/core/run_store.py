@@ -3,7 +3,7 @@
 A connector with a persistent store (vLLM's ExampleConnector writes each request's KV
 as files under ``kv_connector_extra_config.shared_storage_path``) remembers every
 prompt a run stored. Reusing the profile's store location across runs has two
-effects: a replayed run (same ``TVC_CONTRACT_NONCE``, same trace, same seeds) finds
+effects: a replayed run (same ``--tvc-seed``, same trace) finds
 its prompts already stored, so a cold prompt is served warm (a false hit) or files
 written at another dtype are loaded; and the location grows by every run's KV,
 never removed.

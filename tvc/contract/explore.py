@@ -1467,6 +1467,7 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
 
     """
     from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hypothesis_seed
     from hypothesis.stateful import run_state_machine_as_test
 
     stats = stats or Stats()
@@ -1492,8 +1493,7 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                     tests[key] = get_state_machine_test(
                         make_machine(new_explorer, family), settings=s,
                         _min_steps=0, _flaky_state={"selecting_rule": False})
-                test = tests[key]
-                test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+                test = hypothesis_seed(seed)(tests[key])
                 try:
                     test()
                 except BaseException as exc:

@@ -24,6 +24,14 @@ SRC = tr.source_metric_key
 
 # -- working set and cache size --
 
+
+def _message(check, *args) -> str:
+    """The message ``check(*args)`` fails with (it must fail)."""
+    with pytest.raises(AssertionError) as exc:
+        check(*args)
+    return str(exc.value)
+
+
 def test_working_set_counts_shared_prefix_blocks_once() -> None:
     a = list(range(40))  # blocks of 16: [0-15] [16-31] [32-39]
     b = list(range(32)) + [99] * 8  # shares the first two blocks with a
@@ -100,16 +108,16 @@ def test_ideal_hits_count_full_blocks_seen_before_and_recompute_the_last() -> No
 
 
 def test_pressure_check_passes_when_the_connector_saves_compute() -> None:
-    assert tr.check_pressure(*figs(100, 100, 600)) == ""
+    tr.check_pressure(*figs(100, 100, 600))
 
 
 def test_pressure_check_fails_without_pressure_or_without_loads() -> None:
-    msg = tr.check_pressure(*figs(700, 700, 0))
+    msg = _message(tr.check_pressure, *figs(700, 700, 0))
     assert "expected the connector to serve prompt tokens the GPU cache evicted" in msg
-    msg = tr.check_pressure(*figs(750, 600, 200))
+    msg = _message(tr.check_pressure, *figs(750, 600, 200))
     assert "served 750 of the 800 prompt tokens an unbounded cache would have" in msg
     assert "not under pressure" in msg
-    msg = tr.check_pressure(*figs(700, 650, 50, ideal=1000))
+    msg = _message(tr.check_pressure, *figs(700, 650, 50, ideal=1000))
     assert "the GPU cache was not under pressure" in msg
     assert "connector 0.700 = GPU 0.650 + store 0.050, baseline 0.700" in msg
 
@@ -167,13 +175,13 @@ def test_bounded_gpu_cache_makes_the_baseline_recompute(tmp_path: Path) -> None:
     fb, fc = b["token_sources"]["fractions"], c["token_sources"]["fractions"]
     assert sum(fb.values()) == pytest.approx(1) == sum(fc.values())
     assert fc["external_kv_transfer"] > 0 and fb["external_kv_transfer"] == 0
-    assert tr.check_pressure(b, c) == ""
+    tr.check_pressure(b, c)
 
 
 def test_unbounded_gpu_cache_is_reported_as_no_pressure(tmp_path: Path) -> None:
     b, c = run_interleave(tmp_path, capacity=0)
     assert c["token_sources"]["tokens"]["external_kv_transfer"] > 0  # first uses
-    msg = tr.check_pressure(b, c)
+    msg = _message(tr.check_pressure, b, c)
     assert "the GPU cache was not under pressure" in msg
     assert b["token_sources"]["tokens"]["local_cache_hit"] == b["config"][
         "ideal_local_hit_tokens"] > 0

@@ -22,6 +22,14 @@ CLOCK_SLACK_S = 0.005
 LATE_S = 10.0
 
 
+
+def _message(check, *args) -> str:
+    """The message ``check(*args)`` fails with (it must fail)."""
+    with pytest.raises(AssertionError) as exc:
+        check(*args)
+    return str(exc.value)
+
+
 def one(url: str, n: int = 5) -> tr.RequestResult:
     with requests.Session() as s:
         return tr.stream_completion(s, url, "fake-model", [5, 6, 7], n, 30.0)
@@ -74,7 +82,7 @@ def test_replay_bounds_concurrency_and_reads_metric_deltas() -> None:
     assert f["succeeded"] == 8 and f["failed"] == 0
     assert f["prefix_cache"]["local_query_tokens"] == 8 * 16
     assert f["prefix_cache"]["external_hit_tokens"] is None  # no connector metric
-    assert tr.check_percentiles_ordered(f) == ""
+    tr.check_percentiles_ordered(f)
     assert f["throughput"]["output_tokens_per_s"] > 0
     json.dumps(f)  # JSON-ready
 
@@ -120,11 +128,12 @@ def test_campaign_with_a_working_connector_shows_hits_and_gain(tmp_path: Path
                "baseline": FakeServer(ttft_s=0.08)}
     runs = run_all(campaign(tmp_path, servers))
     for f in runs.values():
-        assert tr.check_all_succeeded(f) == "" and tr.check_percentiles_ordered(f) == ""
+        tr.check_all_succeeded(f)
+        tr.check_percentiles_ordered(f)
         if f["mode"] != "populate":
             assert "local prefix cache reset before the run" in f["notes"]
-    assert tr.check_external_hits_rose(runs["connector", "interleave"]) == ""
-    assert tr.check_no_external_hits(runs["baseline", "interleave"]) == ""
+    tr.check_external_hits_rose(runs["connector", "interleave"])
+    tr.check_no_external_hits(runs["baseline", "interleave"])
     gain = tr.ttft_gain(runs["baseline", "interleave"], runs["connector", "interleave"])
     assert gain["p50"] > 2.0
     written = sorted(p.name for p in (tmp_path / "trace").iterdir())
@@ -144,6 +153,6 @@ def test_campaign_with_a_store_that_never_serves_fails_the_hit_check(
         f = camp.run("connector", "interleave")
     finally:
         camp.close()
-    msg = tr.check_external_hits_rose(f)
+    msg = _message(tr.check_external_hits_rose, f)
     assert "expected external prefix-cache hits to rise" in msg
     assert "+0" in msg and "check its store path" in msg

@@ -13,6 +13,13 @@ from tvc.trace import replay as tr
 from tvc.trace.bench import SIZES, resolve_settings
 
 
+def _message(check, *args) -> str:
+    """The message ``check(*args)`` fails with (it must fail)."""
+    with pytest.raises(AssertionError) as exc:
+        check(*args)
+    return str(exc.value)
+
+
 def rec(i: int, ids: list[int], length: int, ts: float = 0.0, out: int = 8
         ) -> tr.TraceRecord:
     return tr.TraceRecord(i, ts, length, out, tuple(ids))
@@ -183,35 +190,36 @@ def fig(**over: object) -> dict:
 
 def test_checks_pass_on_a_good_run() -> None:
     f = fig()
-    assert tr.check_all_succeeded(f) == ""
-    assert tr.check_percentiles_ordered(f) == ""
-    assert tr.check_external_hits_rose(f) == ""
+    tr.check_all_succeeded(f)
+    tr.check_percentiles_ordered(f)
+    tr.check_external_hits_rose(f)
 
 
 def test_failed_requests_fail_with_count_and_first_errors() -> None:
-    msg = tr.check_all_succeeded(fig(failed=2, errors=["HTTP 500: boom"]))
+    msg = _message(tr.check_all_succeeded, fig(failed=2, errors=["HTTP 500: boom"]))
     assert "expected all 4 requests to complete, 2 failed" in msg
     assert "HTTP 500: boom" in msg
-    assert "sent no request" in tr.check_all_succeeded(fig(requests=0))
+    assert "sent no request" in _message(tr.check_all_succeeded, fig(requests=0))
 
 
 def test_out_of_order_percentiles_fail() -> None:
     bad = tr.summarize([0.1, 0.2])
     bad["p90"] = 0.05
-    msg = tr.check_percentiles_ordered(fig(ttft_s=bad))
+    msg = _message(tr.check_percentiles_ordered, fig(ttft_s=bad))
     assert "ttft_s percentiles out of order" in msg
-    msg = tr.check_percentiles_ordered(fig(e2e_s=tr.summarize([0.01])))
+    msg = _message(tr.check_percentiles_ordered, fig(e2e_s=tr.summarize([0.01])))
     assert "exceeds max end-to-end latency" in msg
 
 
 def test_no_external_hits_fails_naming_the_counter() -> None:
-    msg = tr.check_external_hits_rose(fig(prefix_cache={
+    msg = _message(tr.check_external_hits_rose, fig(prefix_cache={
         "external_hit_tokens": 0.0, "local_hit_tokens": 512.0}))
     assert "vllm:external_prefix_cache_hits_total +0" in msg
     assert "local hits +512" in msg
-    msg = tr.check_external_hits_rose(fig(prefix_cache={"external_hit_tokens": None}))
+    msg = _message(tr.check_external_hits_rose,
+                   fig(prefix_cache={"external_hit_tokens": None}))
     assert "exports no vllm:external_prefix_cache_hits_total" in msg
-    msg = tr.check_no_external_hits(fig(variant="baseline"))
+    msg = _message(tr.check_no_external_hits, fig(variant="baseline"))
     assert "baseline server (no --kv-transfer-config) reported 100" in msg
 
 

@@ -40,18 +40,12 @@ def record_figures(record_property: Any, fig: dict[str, Any]) -> None:
     record_property(f"{pre}.wall_s", fig["wall_s"])
 
 
-def expect(message: str) -> None:
-    """Fail with a check's message when it has one."""
-    if message:
-        pytest.fail(message, pytrace=False)
-
-
 def expect_local_cache_reset(fig: dict[str, Any]) -> None:
     """The run started with an empty local prefix cache (else reuse is not tested)."""
     bad = [n for n in fig["notes"] if "NOT reset" in n]
-    expect(f"{fig['variant']} {fig['mode']}: {bad[0]}; without the reset the GPU "
-           "prefix cache serves the reuse and the store is not exercised"
-           if bad else "")
+    assert not bad, (f"{fig['variant']} {fig['mode']}: {bad[0]}; without the reset "
+                     "the GPU prefix cache serves the reuse and the store is not "
+                     "exercised")
 
 
 def test_populate_sends_every_distinct_prompt_once(variant: str, trace_campaign: Any,
@@ -59,8 +53,8 @@ def test_populate_sends_every_distinct_prompt_once(variant: str, trace_campaign:
     camp = trace_campaign
     fig = camp.run(variant, "populate")
     record_figures(record_property, fig)
-    expect(tr.check_all_succeeded(fig))
-    expect(tr.check_percentiles_ordered(fig))
+    tr.check_all_succeeded(fig)
+    tr.check_percentiles_ordered(fig)
     distinct = set()
     for rec in camp.records[: camp.settings.max_requests or None]:
         if rec.hash_ids:
@@ -70,7 +64,7 @@ def test_populate_sends_every_distinct_prompt_once(variant: str, trace_campaign:
         f"populate: expected one request per distinct prompt of the trace "
         f"({len(distinct)}), sent {fig['requests']}")
     if variant == "baseline":
-        expect(tr.check_no_external_hits(fig))
+        tr.check_no_external_hits(fig)
 
 
 def test_interleaved_replay_is_served_from_the_store(variant: str,
@@ -78,21 +72,21 @@ def test_interleaved_replay_is_served_from_the_store(variant: str,
                                                      record_property: Any) -> None:
     fig = trace_campaign.run(variant, "interleave")
     record_figures(record_property, fig)
-    expect(tr.check_all_succeeded(fig))
-    expect(tr.check_percentiles_ordered(fig))
+    tr.check_all_succeeded(fig)
+    tr.check_percentiles_ordered(fig)
     expect_local_cache_reset(fig)
     if variant == "connector":
-        expect(tr.check_external_hits_rose(fig))
+        tr.check_external_hits_rose(fig)
     else:
-        expect(tr.check_no_external_hits(fig))
+        tr.check_no_external_hits(fig)
 
 
 def test_timed_stream_replay_keeps_the_trace_pace(variant: str, trace_campaign: Any,
                                                   record_property: Any) -> None:
     fig = trace_campaign.run(variant, "stream")
     record_figures(record_property, fig)
-    expect(tr.check_all_succeeded(fig))
-    expect(tr.check_percentiles_ordered(fig))
+    tr.check_all_succeeded(fig)
+    tr.check_percentiles_ordered(fig)
     expect_local_cache_reset(fig)
     starts = [r["start_s"] for r in fig["per_request"]]
     s = trace_campaign.settings

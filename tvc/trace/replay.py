@@ -855,22 +855,23 @@ def ttft_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
 
 
 # ---------------------------------------------------------------------------
-# Checks (each returns a message on failure, "" when the property holds)
+# Checks (each raises AssertionError with its message when the property fails)
 
 
-def check_all_succeeded(fig: Mapping[str, Any]) -> str:
+def check_all_succeeded(fig: Mapping[str, Any]) -> None:
     """Every request of a run completed."""
     if fig["requests"] == 0:
-        return (f"{fig['variant']} {fig['mode']}: the replay sent no request; the "
-                "trace is empty after max_requests/max_duration_s — widen them")
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: the replay sent no request; the "
+            "trace is empty after max_requests/max_duration_s — widen them")
     if fig["failed"]:
-        return (f"{fig['variant']} {fig['mode']}: expected all {fig['requests']} "
-                f"requests to complete, {fig['failed']} failed; first errors: "
-                f"{'; '.join(fig['errors'])} — check the server log in the run folder")
-    return ""
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: expected all {fig['requests']} "
+            f"requests to complete, {fig['failed']} failed; first errors: "
+            f"{'; '.join(fig['errors'])} — check the server log in the run folder")
 
 
-def check_percentiles_ordered(fig: Mapping[str, Any]) -> str:
+def check_percentiles_ordered(fig: Mapping[str, Any]) -> None:
     """Min <= p50 <= p90 <= p99 <= max for TTFT, TPOT and end-to-end latency."""
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         s = fig[key]
@@ -878,46 +879,50 @@ def check_percentiles_ordered(fig: Mapping[str, Any]) -> str:
         if None in seq:
             continue
         if any(a > b + 1e-12 for a, b in zip(seq, seq[1:], strict=False)):
-            return (f"{fig['variant']} {fig['mode']}: {key} percentiles out of "
-                    f"order: min/p50/p90/p99/max = {seq}; expected non-decreasing — "
-                    "the percentile computation is broken")
+            raise AssertionError(
+                f"{fig['variant']} {fig['mode']}: {key} percentiles out of "
+                f"order: min/p50/p90/p99/max = {seq}; expected non-decreasing — "
+                "the percentile computation is broken")
         if seq[0] < 0:
-            return f"{fig['variant']} {fig['mode']}: {key} has a negative time {seq[0]}"
+            raise AssertionError(
+                f"{fig['variant']} {fig['mode']}: {key} has a "
+                f"negative time {seq[0]}")
     s = fig["ttft_s"]
     e = fig["e2e_s"]
     if s.get("max") is not None and e.get("max") is not None and s["max"] > e["max"]:
-        return (f"{fig['variant']} {fig['mode']}: max TTFT {s['max']:.4f} s exceeds "
-                f"max end-to-end latency {e['max']:.4f} s; the timing is broken")
-    return ""
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: max TTFT {s['max']:.4f} s exceeds "
+            f"max end-to-end latency {e['max']:.4f} s; the timing is broken")
 
 
-def check_external_hits_rose(fig: Mapping[str, Any]) -> str:
+def check_external_hits_rose(fig: Mapping[str, Any]) -> None:
     """The connector's store served prompt tokens (external prefix-cache hits > 0)."""
     hits = fig["prefix_cache"].get("external_hit_tokens")
     if hits is None:
-        return (f"{fig['variant']} {fig['mode']}: the server exports no "
-                f"{METRIC_EXTERNAL_HITS} counter; expected it to rise — is /metrics "
-                "enabled and the server a vLLM V1 engine with a KV connector?")
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: the server exports no "
+            f"{METRIC_EXTERNAL_HITS} counter; expected it to rise — is /metrics "
+            "enabled and the server a vLLM V1 engine with a KV connector?")
     if hits <= 0:
-        return (f"{fig['variant']} {fig['mode']}: expected external prefix-cache hits "
-                f"to rise after populate and a local cache reset, saw "
-                f"{METRIC_EXTERNAL_HITS} +{hits:g} (local hits "
-                f"+{fig['prefix_cache'].get('local_hit_tokens') or 0:g}) — the "
-                "connector stored or found nothing; check its store path and log")
-    return ""
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: expected external prefix-cache hits "
+            f"to rise after populate and a local cache reset, saw "
+            f"{METRIC_EXTERNAL_HITS} +{hits:g} (local hits "
+            f"+{fig['prefix_cache'].get('local_hit_tokens') or 0:g}) — the "
+            "connector stored or found nothing; check its store path and log")
 
 
-def check_no_external_hits(fig: Mapping[str, Any]) -> str:
+def check_no_external_hits(fig: Mapping[str, Any]) -> None:
     """A server without a connector reports no external hits (baseline sanity)."""
     hits = fig["prefix_cache"].get("external_hit_tokens") or 0
     if hits > 0:
-        return (f"{fig['variant']} {fig['mode']}: the baseline server (no "
-                f"--kv-transfer-config) reported {hits:g} external hit tokens; "
-                "expected 0 — the baseline is not a connector-free server")
-    return ""
+        raise AssertionError(
+            f"{fig['variant']} {fig['mode']}: the baseline server (no "
+            f"--kv-transfer-config) reported {hits:g} external hit tokens; "
+            "expected 0 — the baseline is not a connector-free server")
 
 
-def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) -> str:
+def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
     """Under GPU cache pressure the connector served prompt tokens the GPU lost.
 
     Compares the same mode of both variants: the connector must have served some
@@ -929,36 +934,38 @@ def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) ->
     "pressure" pushed nothing out of the GPU cache, and the TTFT gain says nothing
     about the store.
 
-    Returns:
-        "" when it holds, else the message.
+    Raises:
+        AssertionError: it does not hold (the message says which part and why).
 
     """
     fb = baseline["token_sources"]["fractions"]
     fc = connector["token_sources"]["fractions"]
     mode = connector["mode"]
     if fc[EXTERNAL_SOURCE_LABEL] in (None, 0) or fb[LOCAL_SOURCE_LABEL] is None:
-        return (f"pressure, {mode}: expected the connector to serve prompt tokens "
-                f"the GPU cache evicted, saw connector fractions {fc} — nothing was "
-                "loaded from the store; check its capacity ([connector] "
-                "extra_config) against the trace's working set")
+        raise AssertionError(
+            f"pressure, {mode}: expected the connector to serve prompt tokens "
+            f"the GPU cache evicted, saw connector fractions {fc} — nothing was "
+            "loaded from the store; check its capacity ([connector] "
+            "extra_config) against the trace's working set")
     ideal = baseline.get("config", {}).get("ideal_local_hit_tokens")
     kept = baseline["token_sources"]["tokens"][LOCAL_SOURCE_LABEL]
     if ideal and kept >= PRESSURE_EVIDENCE * ideal:
-        return (f"pressure, {mode}: the baseline's GPU prefix cache served {kept:g} "
-                f"of the {ideal:g} prompt tokens an unbounded cache would have "
-                f"(>= {PRESSURE_EVIDENCE:g}) — the GPU cache was not under "
-                "pressure, nothing the connector loaded had to be recomputed "
-                "without it; lower [trace] num_gpu_blocks_override")
+        raise AssertionError(
+            f"pressure, {mode}: the baseline's GPU prefix cache served {kept:g} "
+            f"of the {ideal:g} prompt tokens an unbounded cache would have "
+            f"(>= {PRESSURE_EVIDENCE:g}) — the GPU cache was not under "
+            "pressure, nothing the connector loaded had to be recomputed "
+            "without it; lower [trace] num_gpu_blocks_override")
     saved_b = fb[LOCAL_SOURCE_LABEL]
     saved_c = fc[LOCAL_SOURCE_LABEL] + fc[EXTERNAL_SOURCE_LABEL]
     if saved_c <= saved_b + 1e-6:  # fractions are rounded to 6 digits
-        return (f"pressure, {mode}: expected the connector run to compute less "
-                f"than the baseline (not computed: connector {saved_c:.3f} = GPU "
-                f"{fc[LOCAL_SOURCE_LABEL]:.3f} + store "
-                f"{fc[EXTERNAL_SOURCE_LABEL]:.3f}, baseline {saved_b:.3f}) — the "
-                "GPU cache was not under pressure; lower [trace] "
-                "num_gpu_blocks_override")
-    return ""
+        raise AssertionError(
+            f"pressure, {mode}: expected the connector run to compute less "
+            f"than the baseline (not computed: connector {saved_c:.3f} = GPU "
+            f"{fc[LOCAL_SOURCE_LABEL]:.3f} + store "
+            f"{fc[EXTERNAL_SOURCE_LABEL]:.3f}, baseline {saved_b:.3f}) — the "
+            "GPU cache was not under pressure; lower [trace] "
+            "num_gpu_blocks_override")
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:

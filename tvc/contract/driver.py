@@ -11,7 +11,7 @@ import re
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tvc.contract import compat
 from tvc.contract.builders import SAMPLED_TOKEN_ID
@@ -208,6 +208,26 @@ class RigPlanError(RuntimeError):
 REAL_WORKER_ONLY = "real-only"
 
 
+class WorkerSide(Protocol):
+    """What the driver needs of a worker side, real or stand-in.
+
+    Implemented by :class:`~tvc.contract.worker.ConnectorWorker` (the connector's
+    own worker side on real KV tensors), :class:`~tvc.contract.worker.JobAckWorker`
+    and :class:`~tvc.contract.standins.HookWorker` (stand-ins that report what
+    the scheduler planned), and the TP / PP harnesses of :mod:`tvc.contract.tp`.
+    """
+
+    def execute(self, so: Any, meta: Any) -> Any:
+        """One model-runner step for scheduler output ``so`` and connector metadata.
+
+        Returns:
+            the step's ``KVConnectorOutput`` (``finished_sending``,
+            ``finished_recving``, ``invalid_block_ids``...), or None.
+
+        """
+        ...
+
+
 class NoWorkerHere(RuntimeError):  # noqa: N818 - reads as the reason
     """No worker side runs for this rig (no device of ``worker_devices`` here)."""
 
@@ -330,7 +350,7 @@ class EngineDriver:
     """
 
     scheduler: Any
-    worker: Any = None
+    worker: WorkerSide | None = None
     serialize: bool = True
     history: list[StepRecord] = field(default_factory=list)
     first_compute: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -453,8 +473,8 @@ class EngineDriver:
         admission (again after a preemption): a slot the load never writes can
         then never hold the stored pattern, or a harness mark, by chance.
         """
-        w = self.worker
-        if not hasattr(w, "poison_blocks"):
+        poison = getattr(self.worker, "poison_blocks", None)
+        if poison is None:
             return
         for rid, r in self.scheduler.requests.items():
             if r.status.name != "WAITING_FOR_REMOTE_KVS":
@@ -467,7 +487,7 @@ class EngineDriver:
             self.async_loads_started += 1
             local, n, _ = answers[-1]
             ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            w.poison_blocks(ids, local, local + int(n or 0))
+            poison(ids, local, local + int(n or 0))
 
     def _load_pending(self) -> bool:
         """Whether a request with an external hit has not computed yet (a load)."""
@@ -490,8 +510,9 @@ class EngineDriver:
             meta = round_trip(meta)
         if self.worker is None and meta is not None:
             self.worker = self._fallback_worker(meta)
-        if hasattr(self.worker, "expect_loads"):
-            self.worker.expect_loads(self._sync_loads(so))
+        expect_loads = getattr(self.worker, "expect_loads", None)
+        if expect_loads is not None:
+            expect_loads(self._sync_loads(so))
         kv_out = self.worker.execute(so, meta) if (
             self.worker is not None and meta is not None) else None
         if self.worker is None and self.scheduler_only:

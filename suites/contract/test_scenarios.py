@@ -46,6 +46,7 @@ from tvc.contract.steps import (
     replay_of,
     require_hits,
     round_trip_len,
+    rule_edge_lengths,
     rule_hit,
     shared_prefixes,
     store,
@@ -597,17 +598,21 @@ def test_tenant_isolation_cache_salt_and_lora(make_rig, contract_profile,
 
 def test_granularity_prompts_at_chunk_boundaries(make_rig, contract_profile,
                                                  record_property) -> None:
-    """Prompts at chunk boundaries: 1 to 3 chunks, -1 / +0 / +1 / +B/2 tokens.
+    """Prompts at chunk boundaries and at the hit rule's first hit.
 
-    Each prompt is stored and replayed from an empty local cache; the hit must
-    equal the rule, and at least one hit must be non-zero.
+    Chunk boundaries: 1 to 3 chunks, -1 / +0 / +1 / +B/2 tokens; the rule's
+    first hit: -1 / +0 / +1 (a threshold's edge). Each prompt is stored and
+    replayed from an empty local cache; the hit must equal the rule, and at
+    least one hit must be non-zero.
     """
     rig = make_rig(block_size=BLOCK_SIZE)
     b, c = rig.block_size, chunk_tokens(contract_profile, rig.block_size)
+    max_len = rig.vllm_config.model_config.max_model_len
+    # chunk boundaries, and where the rule starts to expect a hit (a threshold)
     lengths = sorted({k * c + d for k in (1, 2, 3) for d in (-1, 0, 1, b // 2)
-                      if k * c + d >= c})
-    require_hits(contract_profile, lengths, b,
-                 rig.vllm_config.model_config.max_model_len)
+                      if k * c + d >= c} | set(
+                          rule_edge_lengths(contract_profile, b, max_len // 2)))
+    require_hits(contract_profile, lengths, b, max_len)
     seen = {}
     for n in lengths:
         stored = store(rig, n)
@@ -803,8 +808,9 @@ def test_writes_no_more_than_vllm_asked_to_store(make_rig, contract_profile,
     times faster than it needs to, and evicts what it could serve.
 
     The bound, per request, in KV bytes: ``blocks * kv_bytes_per_block * (1 +
-    WRITE_SLACK) + WRITE_META_BYTES`` and ``blocks * layers +
-    WRITE_META_ENTRIES`` files, where ``blocks`` is ``ceil(prompt / B)`` (a
+    WRITE_SLACK) + WRITE_META_BYTES`` and ``blocks * (layers + 1) +
+    WRITE_META_ENTRIES`` files (a file per block and layer, and one per block:
+    its index or manifest), where ``blocks`` is ``ceil(prompt / B)`` (a
     partial last block may be stored too), ``ceil((prompt + output) / B)``
     with ``stores_decode``. Checked cumulatively after each request (a write
     that lands after its request ended counts against the next one's bound
@@ -841,7 +847,7 @@ def test_writes_no_more_than_vllm_asked_to_store(make_rig, contract_profile,
         r = store(rig, n, max_tokens=out_tokens)                   # 1
         blocks = -(-(n + (out_tokens if decode else 0)) // b)
         bound_bytes += int(blocks * per_block * (1 + WRITE_SLACK)) + WRITE_META_BYTES
-        bound_entries += blocks * layers + WRITE_META_ENTRIES
+        bound_entries += blocks * (layers + 1) + WRITE_META_ENTRIES
         files = inj.entries_since(start)                             # 2
         written = sum(p.stat().st_size for p in files if p.exists())
         rows.append({"request": r.request_id, "prompt": n, "blocks": blocks,
@@ -856,7 +862,8 @@ def test_writes_no_more_than_vllm_asked_to_store(make_rig, contract_profile,
             f"{per_block:,} KV bytes ({'prompt and output' if decode else 'the prompt'}"
             f"'s blocks; connector.stores_decode = {str(decode).lower()}) "
             f"x {1 + WRITE_SLACK:g} + {WRITE_META_BYTES:,} bytes and "
-            f"{WRITE_META_ENTRIES} entries of metadata per request. The connector "
+            f"{layers + 1} entries per block (one per layer, one index) and "
+            f"{WRITE_META_ENTRIES} of metadata per request. The connector "
             "stores more than it is asked (each chunk again at every step, the "
             "output's tokens, several entries per block): store each block vLLM "
             "hands over once (build_connector_meta / save_kv_layer / "

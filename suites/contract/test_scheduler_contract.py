@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tvc import contract as C
+from tvc.contract.steps import rule_edge_lengths
 from tvc.core.seed import run_seed
 
 pytestmark = [pytest.mark.contract, pytest.mark.hw_any]
@@ -76,8 +77,10 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
                     "hit_rule_source to check hits exactly")
     rig = rig_factory(block_size=block_size)
     seen = {}
-    lengths = _lengths(block_size, contract_profile.granularity_tokens(block_size),
-                       rig.vllm_config.model_config.max_model_len)
+    max_len = rig.vllm_config.model_config.max_model_len
+    lengths = sorted(set(_lengths(block_size, contract_profile.granularity_tokens(
+        block_size), max_len)) | set(rule_edge_lengths(
+            contract_profile, block_size, max_len - OUTPUT_TOKENS - 1)))
     expected = {n: contract_profile.expected_hit_tokens(n, block_size)
                 for n in lengths}
     assert any(expected.values()), (

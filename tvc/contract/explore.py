@@ -293,6 +293,9 @@ class Explorer:
             test (``[[known_failures]]`` ``match`` / ``reason``): a failure
             whose text matches one stops the sequence with
             :class:`KnownDefectReached` instead of failing the exploration.
+        lead_chunks: whole chunks before the drawn ones of every prompt of at
+            least one chunk: a hit rule that expects nothing below a threshold
+            then still sees prompts it stores (:func:`lead_chunks_for`).
 
     Every public method appends its call to :attr:`log`; an invariant that
     breaks raises :class:`ExplorationFailure` with the log as a script.
@@ -305,13 +308,15 @@ class Explorer:
                  injector_for: Callable[[Any], Any] | None = None,
                  stats: Stats | None = None, label: str = "example",
                  scratch: Path | None = None,
-                 known: Sequence[tuple[str, str]] = ()) -> None:
+                 known: Sequence[tuple[str, str]] = (),
+                 lead_chunks: int = 0) -> None:
         self.make_rig, self.chunk, self.family = make_rig, chunk, family
+        self.lead = lead_chunks
         self.policy, self.stats = policy, stats or Stats()
         self.injector_for = injector_for
         self.ns = f"{run_seed()}-{next(_NAMESPACES)}"
         b = BLOCK_SIZE
-        max_len = MAX_CHUNKS * chunk + b + 1
+        max_len = (MAX_CHUNKS + lead_chunks) * chunk + b + 1
         per_req = -(-(max_len + MAX_DECODE) // b)
         self.num_blocks = (per_req + 3 if family.preemption
                            else MAX_SEQS * (per_req + 1) * 2 + 8)
@@ -484,7 +489,7 @@ class Explorer:
             n = len(toks)
             self.stats.shared_prefix += 1
         else:
-            n = chunks * self.chunk + tail
+            n = (chunks + (self.lead if chunks else 0)) * self.chunk + tail
             if n < 2 and not self.family.one_token:
                 n = 2
             toks = [rng.randrange(10, TINY_VOCAB_SIZE) for _ in range(n)]
@@ -1672,13 +1677,35 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
             on_rig(r)
         return r
 
+    lead = lead_chunks_for(profile, chunk)
+
     def new_explorer(policy: str) -> Explorer:
         return Explorer(
             rig, chunk, family, policy, profile.kv_transfer_config(),
             (lambda r: fault_injector_for(profile, r)) if family.faults else None,
-            stats=stats, label=name, scratch=profile.scratch, known=known)
+            stats=stats, label=name, scratch=profile.scratch, known=known,
+            lead_chunks=lead)
 
     return new_explorer
+
+
+def lead_chunks_for(profile: Any, chunk: int) -> int:
+    """Whole chunks that bring a prompt of one chunk + 1 token to the first hit.
+
+    Args:
+        profile: the target profile (its hit rule).
+        chunk: tokens per stored unit.
+
+    Returns:
+        0 where the rule expects a hit for one chunk + 1 token (or there is no
+        rule); else the chunks to add to every drawn prompt of at least one
+        chunk (:func:`tvc.contract.steps.first_hit_len`).
+
+    """
+    from tvc.contract.steps import first_hit_len
+
+    first = first_hit_len(profile, BLOCK_SIZE)
+    return 0 if first is None else max(0, -(-(first - chunk - 1) // chunk))
 
 
 def replay_explorer(profile: str, family: str = "core",

@@ -692,8 +692,15 @@ class FileStoreInjector:
             self._seen.pop(p, None)
 
     def corrupt(self, entries: Iterable[Path]) -> None:
-        """Flip one bit in 8 bytes spread over the last quarter of each file."""
-        for p in self._mine(entries):
+        """Flip one bit in 8 bytes spread over the last quarter of one file.
+
+        The entry's largest file (its KV, not an index or manifest beside it;
+        the first by name among equals): bit rot strikes one file, and a store
+        that checks only its manifest loads the damaged KV silently.
+        """
+        mine = self._mine(entries)
+        largest = sorted(mine, key=lambda q: (-q.stat().st_size, str(q)))[:1]
+        for p in largest:
             fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
             with os.fdopen(fd, "r+b") as f:
                 data = bytearray(f.read())

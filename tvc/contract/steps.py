@@ -26,9 +26,11 @@ when asynchronous: :func:`~tvc.contract.invariants.assert_match_within_prompt`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tvc.contract.builders import DEFAULT_MAX_MODEL_LEN
 from tvc.contract.driver import external_hit
 from tvc.contract.invariants import (
     assert_block_aligned,
@@ -72,8 +74,60 @@ def chunk_tokens(profile: Any, block_size: int) -> int:
     return int(profile.granularity_tokens(block_size))
 
 
+def first_hit_len(profile: Any, block_size: int,
+                  max_len: int = DEFAULT_MAX_MODEL_LEN) -> int | None:
+    """The shortest prompt for which the profile's hit rule expects a hit.
+
+    A rule may expect nothing below a threshold (a connector that stores only
+    prompts of at least N tokens: ``... if len >= N else 0``); vLLM allows
+    that (``KVConnectorBase_V1.get_num_new_matched_tokens`` answers what can
+    be loaded, and ``build_connector_meta`` / ``save_kv_layer`` leave what to
+    save to the connector).
+
+    Args:
+        profile: the target profile.
+        block_size: B in tokens.
+        max_len: the longest prompt to consider (tokens).
+
+    Returns:
+        the length in tokens, or None without a rule (or when no prompt up to
+        ``max_len`` hits).
+
+    """
+    rule = hit_rule_of(profile)[0]
+    if not rule:
+        return None
+    # the rule's variables: B, len and the connector's extra_config keys
+    extra = json.dumps(profile["connector"]["extra_config"], sort_keys=True,
+                       default=str)
+    key = (rule, extra, block_size, max_len)
+    if key not in _FIRST_HIT:
+        _FIRST_HIT[key] = next((n for n in range(2, max_len + 1)
+                                if rule_hit(profile, n, block_size)), None)
+    return _FIRST_HIT[key]
+
+
+_FIRST_HIT: dict[tuple[str, str, int, int], int | None] = {}
+
+
+def rule_edge_lengths(profile: Any, block_size: int, max_len: int) -> list[int]:
+    """Prompt lengths around where the hit rule starts to expect a hit.
+
+    Returns:
+        ``[n - 1, n, n + 1]`` (those within ``[1, max_len]``) for ``n`` =
+        :func:`first_hit_len`, or ``[]`` without a rule: an off-by-one at a
+        threshold (``len > N`` for ``len >= N``) shows there.
+
+    """
+    n = first_hit_len(profile, block_size, max_len)
+    return [] if n is None else [m for m in (n - 1, n, n + 1) if 1 <= m <= max_len]
+
+
 def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
     """Length of a prompt of ``chunks`` whole chunks plus ``tail`` tokens.
+
+    Grown by whole chunks to the hit rule's first hit where the rule expects
+    nothing below a threshold (:func:`at_least_first_hit`).
 
     Raises:
         ScenarioError: the prompt is shorter than one chunk (the connector stores
@@ -87,7 +141,22 @@ def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
             f"a {n}-token prompt is shorter than one chunk: this connector stores "
             f"whole chunks of {c} tokens (connector.granularity at B={block_size}), "
             "so it stores nothing for it. Use prompts of at least one chunk")
-    return n
+    return at_least_first_hit(profile, block_size, n)
+
+
+def at_least_first_hit(profile: Any, block_size: int, n: int) -> int:
+    """``n`` plus the whole chunks that bring it to the rule's first hit.
+
+    A scenario's prompt must be one the connector stores: below the rule's
+    threshold (:func:`first_hit_len`) it would prove nothing, so the prompt
+    grows by whole chunks (its tail, and so its offset from a block boundary,
+    kept) until the rule expects a hit.
+    """
+    first = first_hit_len(profile, block_size)
+    if first is None or n >= first:
+        return n
+    c = chunk_tokens(profile, block_size)
+    return n + -(-(first - n) // c) * c
 
 
 def round_trip_len(profile: Any, block_size: int) -> int:
@@ -105,8 +174,8 @@ def round_trip_len(profile: Any, block_size: int) -> int:
         the prompt length in tokens.
 
     """
-    return max(4 * block_size, 2 * chunk_tokens(profile, block_size)) + (
-        block_size // 2)
+    return at_least_first_hit(profile, block_size, max(
+        4 * block_size, 2 * chunk_tokens(profile, block_size)) + block_size // 2)
 
 
 def pool_blocks(num_tokens: int, block_size: int, requests: int = 2,
@@ -176,8 +245,6 @@ def scenario_lengths(profile: Any, block_size: int = BLOCK_SIZE) -> dict[str, in
         "single": prompt_len(profile, block_size, 2, tail),
         "long": prompt_len(profile, block_size, 4, tail),
     }
-    from tvc.contract.builders import DEFAULT_MAX_MODEL_LEN
-
     if max(out.values()) > DEFAULT_MAX_MODEL_LEN - 128:
         raise ScenarioError(
             f"vacuous: this connector stores whole chunks of {c} tokens; the prompts "
@@ -392,7 +459,8 @@ WRITE_SLACK = 0.5
 #: bytes a request may write beyond its blocks' KV: metadata files (an index,
 #: a manifest), whatever the KV size
 WRITE_META_BYTES = 64 * 1024
-#: entries (files) a request may write beyond one per block and layer
+#: entries (files) a request may write beyond one per block and layer and one
+#: per block (a block's index or manifest)
 WRITE_META_ENTRIES = 2
 
 

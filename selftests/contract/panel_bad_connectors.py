@@ -17,6 +17,7 @@ from panel_connectors import (
     FullPromptPanelConnector,
     RankAwarePanelConnector,
     SyncPanelConnector,
+    ThresholdPanelConnector,
 )
 
 
@@ -251,3 +252,11 @@ class LoadsTheLastTokenAfterForwardConnector(FullPromptPanelConnector):
         for job in self._get_connector_metadata().loads:
             self._load(job)
         super().wait_for_save()
+
+
+class ThresholdOffByOneConnector(ThresholdPanelConnector):
+    """Fault: stores prompts longer than ``min_store_tokens``, not of at least it
+    (``len > N`` for its declared ``len >= N``): a prompt of exactly N tokens
+    misses."""
+
+    INCLUSIVE = False

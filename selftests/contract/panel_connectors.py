@@ -494,3 +494,30 @@ class DeferredLookupPanelConnector(FileChunkConnector):
             asked.add(request.request_id)
             return None, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+class ThresholdPanelConnector(FileChunkConnector):
+    """Stores only prompts of at least ``min_store_tokens`` tokens (extra config).
+
+    A shape vLLM allows: ``build_connector_meta`` / ``save_kv_layer`` leave what
+    to save to the connector (vLLM's LMCache adapter skips saves per request,
+    ``lmcache.skip_save``), and ``get_num_new_matched_tokens`` answers what can
+    be loaded, 0 for a prompt never stored. Its rule:
+    ``(len - 1) // C * C if len >= min_store_tokens else 0``.
+    """
+
+    INCLUSIVE = True  # len >= min_store_tokens is stored
+
+    def _stores(self, request: Any) -> bool:
+        n = request.num_prompt_tokens
+        least = int(self._kv_transfer_config.get_from_extra_config(
+            "min_store_tokens", 0))
+        return n >= least if self.INCLUSIVE else n > least
+
+    def build_connector_meta(self, scheduler_output: Any) -> PanelMetadata:
+        """The base class's meta without saves of prompts below the threshold."""
+        meta = super().build_connector_meta(scheduler_output)
+        meta.saves = [j for j in meta.saves
+                      if j.req_id not in self._requests
+                      or self._stores(self._requests[j.req_id])]
+        return meta

@@ -56,7 +56,8 @@ name = "panel-{name}"
 name = "{cls}"
 module_path = "{module}"
 kv_role = "kv_both"
-extra_config = {{ store_path = "${{SCRATCH}}/panel-store", chunk_tokens = {chunk} }}
+extra_config = {{ store_path = "${{SCRATCH}}/panel-store", """ \
+    """chunk_tokens = {chunk}{extra} }}
 granularity = "max(chunk_tokens, B)"
 {rule}
 persistent_store = true
@@ -131,7 +132,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
                  tp: list[int] | None = None, pp: list[int] | None = None,
                  module: str = "panel_connectors",
                  rule: str | None = None, devices: str = 'worker_devices = ["cpu"]',
-                 select: list[str] | None = None) -> SuiteRun:
+                 select: list[str] | None = None, extra: str = "") -> SuiteRun:
     """Run the contract tier (or ``select``) against one connector on CPU.
 
     Args:
@@ -146,6 +147,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         devices: the ``worker_devices`` line ("" leaves the default).
         select: pytest arguments choosing the tests (volume 1000); default:
             the whole tier at ``--tvc-depth=quick``, 3 explored sequences.
+        extra: more ``extra_config`` keys (``", key = value"``).
 
     Returns:
         the :class:`SuiteRun`.
@@ -155,6 +157,7 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         rule = f'hit_rule = "{RULE}"\nhit_rule_source = "{RULE_SOURCE}"'
     prof = tmp_path / f"panel-{name}.toml"
     prof.write_text(PROFILE.format(name=name, cls=cls, module=module, chunk=chunk,
+                                   extra=extra,
                                    rule=rule, devices=devices, tp=tp or [1],
                                    pp=pp or [1],
                                    scratch=tmp_path / "scratch"))
@@ -464,3 +467,53 @@ def test_a_receive_reported_twice_is_named_with_its_cause(tmp_path: Path) -> Non
     assert "assert RequestStatus.is_finished(req.status)" in msg, msg
     assert "Known cause: get_finished named in finished_recving a request" in msg
     assert "a receive reported twice" in msg, msg
+
+
+THRESHOLD_RULE = (f'hit_rule = "{RULE} if len >= min_store_tokens else 0"\n'
+                  'hit_rule_source = "selftests/contract/panel_connectors.py: '
+                  'ThresholdPanelConnector, prompts of at least min_store_tokens"')
+# what went red for a threshold of 300 before the scenarios grew their prompts
+THRESHOLD_TESTS = ("test_worker_roundtrip.py", "test_scenarios.py",
+                   "test_connector_api.py", "test_exploration.py")
+
+
+def test_a_threshold_rule_gets_prompts_it_stores_and_no_false_red(
+        tmp_path: Path) -> None:
+    """A connector storing only prompts of >= 300 tokens, declared in its rule.
+
+    Fresh-user trial: the scenarios' fixed 40-73-token prompts gave 91 false
+    reds (and vacuous errors) at that threshold; they now grow to the rule's
+    first hit, and the exploration prefixes its prompts to reach it.
+    """
+    run = run_contract(tmp_path, "threshold-300", "ThresholdPanelConnector", 16,
+                       rule=THRESHOLD_RULE, extra=", min_store_tokens = 300",
+                       select=[*(f"suites/contract/{f}" for f in THRESHOLD_TESTS),
+                               "-m", "contract", "-n", "2", "--tvc-depth=quick",
+                               "--tvc-explore-examples=3", "-k",
+                               "cpu or exploration and core"])
+    red = reds(run)
+    assert not red and run.rc == 0, "\n".join(red) + run.tail(2000)
+    for name in ("test_loaded_kv_is_bit_identical_and_nothing_else_changes[B16-H2-"
+                 "D64-float16-cpu-NHD]", "test_store_fault_is_reported_never_silent"
+                 "[cpu-corrupt-recompute]", "test_granularity_prompts_at_chunk_"
+                 "boundaries[cpu]"):
+        assert outcome(run, name) == "passed", (name, outcome(run, name))
+    # the exploration's prompts reach the threshold: its sequences hit and load
+    # (at 3 sequences a round a rarer premise may still be missing: a skip)
+    core = run.test("explored_event_sequences[core]")
+    assert core["outcome"] in ("passed", "skipped"), core
+    assert "hit that loaded" not in (core.get("message") or ""), core
+    hits = run.test("test_granularity_prompts_at_chunk_boundaries")["properties"]
+    assert "300" in str(hits), hits  # the rule's edge was among the lengths
+
+
+def test_an_off_by_one_at_the_threshold_is_red_at_its_edge(tmp_path: Path) -> None:
+    """``len > N`` for a declared ``len >= N``: a prompt of exactly N misses."""
+    run = run_contract(tmp_path, "threshold-44", "ThresholdOffByOneConnector", 16,
+                       module="panel_bad_connectors", rule=THRESHOLD_RULE,
+                       extra=", min_store_tokens = 44",
+                       select=[SCHED, "-m", "contract", "-k",
+                               "second_pass_matches_declared_hit_rule"])
+    t = run.test("test_second_pass_matches_declared_hit_rule[16]")
+    assert t["outcome"] == "failed", (t, run.tail(2000))
+    assert "external hit for a 44-token prompt" in t["message"], t["message"]

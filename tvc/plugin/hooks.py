@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tvc.config.paths import CHECKOUT, MARKERS_FILE, suites_dir
-from tvc.core.seed import set_run_seed
 from tvc.plugin import run_control
 from tvc.trace import options as trace_options
 
@@ -502,6 +501,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(apply_environ(dict(profile["connector"]["env"])))
     require = resolve_require(config)
     seed, seed_source = resolve_seed(config)
+    from tvc.core.seed import set_run_seed
+
     set_run_seed(seed)  # generated prompts: --tvc-seed replays them
     depth = resolve_depth(config)
     # the run folder first: a Ctrl-C from here on still leaves reports

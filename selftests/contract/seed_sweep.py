@@ -69,7 +69,7 @@ def target_profile(target: str, folder: Path) -> tuple[Any, str]:
     member = target.removeprefix("panel:")
     cls, chunk, tp, _must = PANEL[member]
     path.write_text(PROFILE.format(
-        name=member, cls=cls, module="panel_connectors", chunk=chunk,
+        name=member, cls=cls, module="panel_connectors", chunk=chunk, extra="",
         rule=f'hit_rule = "{RULE}"\nhit_rule_source = "{RULE_SOURCE}"',
         devices='worker_devices = ["cpu"]', tp=tp, pp=tp,
         scratch=folder / f"scratch-{name}"))

@@ -170,9 +170,10 @@ def test_writing_more_than_vllm_asked_is_red(tmp_path: Path) -> None:
     assert re.search(
         r"write volume: after 1 request\(s\) \(24-token prompts, 32 output tokens "
         r"each\) the connector has written [\d,]+ bytes in \d+ entries under \S+, "
-        r"more than vLLM asked it to store: at most 114,688 bytes and 6 entries — 2 "
+        r"more than vLLM asked it to store: at most 114,688 bytes and 8 entries — 2 "
         r"blocks of 16,384 KV bytes \(the prompt's blocks; connector.stores_decode "
-        r"= false\) x 1.5 \+ 65,536 bytes and 2 entries of metadata per request",
+        r"= false\) x 1.5 \+ 65,536 bytes and 3 entries per block \(one per layer, "
+        r"one index\) and 2 of metadata per request",
         msg), msg
     assert "store each block vLLM hands over once" in msg, msg
 

@@ -1690,22 +1690,28 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
 
 
 def lead_chunks_for(profile: Any, chunk: int) -> int:
-    """Whole chunks that bring a prompt of one chunk + 1 token to the first hit.
+    """Whole chunks that bring the longest one-chunk prompt to the first hit.
+
+    The drawn prompts are 1 to :data:`MAX_CHUNKS` chunks and a tail of up to
+    ``B + 1`` tokens; a rule whose first hit lies beyond one chunk and such a
+    tail (a threshold: ``... if len >= N else 0``) would leave them all
+    unstored.
 
     Args:
         profile: the target profile (its hit rule).
         chunk: tokens per stored unit.
 
     Returns:
-        0 where the rule expects a hit for one chunk + 1 token (or there is no
-        rule); else the chunks to add to every drawn prompt of at least one
-        chunk (:func:`tvc.contract.steps.first_hit_len`).
+        0 where the rule expects a hit within one chunk + ``B + 1`` tokens (or
+        there is no rule); else the chunks to add to every drawn prompt of at
+        least one chunk (:func:`tvc.contract.steps.first_hit_len`).
 
     """
     from tvc.contract.steps import first_hit_len
 
     first = first_hit_len(profile, BLOCK_SIZE)
-    return 0 if first is None else max(0, -(-(first - chunk - 1) // chunk))
+    longest = chunk + BLOCK_SIZE + 1
+    return 0 if first is None else max(0, -(-(first - longest) // chunk))
 
 
 def replay_explorer(profile: str, family: str = "core",

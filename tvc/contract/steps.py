@@ -319,6 +319,9 @@ def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
                 "ERROR" in str(r.status):
             continue
         want = min(local + matched, r.num_prompt_tokens - 1)
+        early = w.reported_before_compute.get(rid)
+        if early is not None and start is not None and start >= min(want, early):
+            continue  # recomputed from the first block its load reported failed
         assert start is not None and start >= want, (
             f"{what}: request {rid} matched {matched} external tokens "
             f"({local} local) but started computing at token {start}, expected "

@@ -383,6 +383,9 @@ class ConnectorWorker:
             ``get_block_ids_with_load_errors`` (mismatches at or after a
             request's first reported block are excused: vLLM recomputes them).
         reported_loads: request id -> first token of its first reported block.
+        reported_before_compute: request id -> first token of its first block
+            reported failed before the request first computed (an asynchronous
+            load's failure, reported with its finished_recving).
         verified: request id -> token ranges verified.
         resumed: request ids seen resumed after preemption, in order.
         heal_reported: when True (the exploration sets it), the blocks of a
@@ -472,6 +475,7 @@ class ConnectorWorker:
         self.loaded: dict[str, int] = {}
         self.reported_invalid_blocks: set[int] = set()
         self.reported_loads: dict[str, int] = {}
+        self.reported_before_compute: dict[str, int] = {}
         self.verified: dict[str, list[tuple[int, int]]] = {}
         self.resumed: list[str] = []
         self.reported_failed_requests: set[str] = set()
@@ -1194,6 +1198,16 @@ class ConnectorWorker:
         self._reported_now = {}
         if invalid:
             self.reported_invalid_blocks |= invalid
+            # an asynchronous load's failure is reported before its request
+            # computes (with finished_recving); vLLM then recomputes it from
+            # its first reported block (Scheduler._update_requests_with_
+            # invalid_blocks), so it first computes from there
+            for rid, table in self.block_table.items():
+                first = next((i for i, blk in enumerate(table) if blk in invalid),
+                             None)
+                if rid not in self.loaded and first is not None:
+                    self.reported_before_compute[rid] = min(
+                        first * b, self.reported_before_compute.get(rid, first * b))
         failed: set[str] = set()
         for rid, start, bad in checks:
             table = self.block_table.get(rid, [])

@@ -428,6 +428,8 @@ def test_block_hash_algorithm_keeps_hits_and_loads_exact(
             "misses or mismatches here: key by request.block_hashes as given, or "
             "hash the tokens itself on both sides") from exc
     record_property("scenario", {"algo": algo, **out})
+    # at least two of the three prefix-sharing replays loaded under this hash
+    assert out["loads"] >= 2, out
 
 
 @pytest.mark.parametrize("variant", sorted(OTHER_MODEL))

@@ -269,6 +269,13 @@ def test_rule_may_name_numeric_extra_config_keys() -> None:
                        f'hit_rule = "len // {name}"\n', "badvar.toml")
         with pytest.raises(ProfileError, match=rf"unknown name '{name}' \(variables:"):
             load(str(bad), env={})
+    # a number written as a string: the message says what the key holds
+    bad = _profile(HEAD + 'extra_config = { min_store_tokens = "40" }\n'
+                   'hit_rule = "len - 1 if len >= min_store_tokens else 0"\n',
+                   "strvar.toml")
+    with pytest.raises(ProfileError, match=r"connector\.extra_config\.min_store_"
+                       r"tokens is '40', a string: a rule variable must be a number"):
+        load(str(bad), env={})
 
 
 def test_granularity_defaults_to_the_block_and_is_checked() -> None:

@@ -143,13 +143,16 @@ def check_requirement(text: str, key: str = "") -> str:
     return text
 
 
-def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "") -> None:
+def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "",
+               extra_config: Mapping[str, Any] | None = None) -> None:
     """Refuse a hit rule that is not a possible hit at every probe length and block.
 
     Possible: at most ``len`` (vLLM recomputes the last token of a full-prompt hit
     itself), and not negative once the prompt spans four blocks (integer formulas
     such as ``(len - 2) // B * B`` dip below 0 only for the shortest prompts). A rule
-    outside that is a typo that would fail every hit check on the GPU host.
+    outside that is a typo that would fail every hit check on the GPU host. A
+    name the rule uses that ``extra_config`` holds as something other than a
+    number says so.
     """
     for b in RULE_PROBE_BLOCKS:
         for n in RULE_PROBE_LENS:
@@ -157,10 +160,22 @@ def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "") -
                 value = evaluate(rule, n, b, variables)
             except _EVAL_ERRORS as exc:
                 raise Refusal(f"{shorten(rule)} is not an integer expression of len "
-                              f"and B (at len={n}, B={b}: {why(exc)})", key) from None
+                              f"and B (at len={n}, B={b}: {why(exc)})"
+                              + _not_a_number(exc, extra_config), key) from None
             if value > n or (value < 0 and n >= 4 * b):
                 raise Refusal(f"{shorten(rule)} gives {value} tokens at len={n}, "
                               f"B={b}; a hit is 0 to len tokens", key)
+
+
+def _not_a_number(exc: BaseException, extra: Mapping[str, Any] | None) -> str:
+    """``"; connector.extra_config.X is ..."`` when the unknown name is such a key."""
+    m = re.search(r"unknown name '([^']+)'", str(exc))
+    if m is None or not extra or m.group(1) not in extra:
+        return ""
+    name, value = m.group(1), extra[m.group(1)]
+    kind = {str: "a string", bool: "true/false"}.get(type(value), type(value).__name__)
+    return (f"; connector.extra_config.{name} is {shorten(value)}, {kind}: a rule "
+            "variable must be a number, without quotes")
 
 
 def check_granularity(expr: str, variables: Mapping[str, int | float]) -> None:

@@ -250,7 +250,8 @@ class ConnectorSection(Section):
     @classmethod
     def _hit_rule(cls, rule: str, info: ValidationInfo) -> str:
         if _final(info) and rule:
-            checks.check_rule(rule, cls._variables(info))
+            checks.check_rule(rule, cls._variables(info),
+                              extra_config=info.data.get("extra_config", {}))
             _tick(info, "connector.hit_rule")
         return rule
 
@@ -259,7 +260,8 @@ class ConnectorSection(Section):
     def _hit_rules(cls, rules: list[HitRule], info: ValidationInfo) -> list[HitRule]:
         for i, entry in enumerate(rules if _final(info) else ()):
             where = f"connector.hit_rules[{i}].rule"
-            checks.check_rule(entry.rule, cls._variables(info), where)
+            checks.check_rule(entry.rule, cls._variables(info), where,
+                              info.data.get("extra_config", {}))
             _tick(info, where)
         return rules
 

@@ -358,10 +358,10 @@ def test_multimodal_item_hits_never_serve_another_image(
         return rig.request(total, shared_prefix=toks,
                            media=[(offset, length, ident)])
 
-    rig.driver.run(with_image(image_a))                              # 1
+    rig.driver.run(with_image(image_a))  # 1
     cold(rig)
     again = with_image(image_a)
-    rig.driver.run(again)                                            # 2
+    rig.driver.run(again)  # 2
     local_a, hit_a, _ = external_hit(rig.driver, again)
     if local_a + hit_a <= offset + length:
         pytest.skip(
@@ -372,7 +372,7 @@ def test_multimodal_item_hits_never_serve_another_image(
     check_every_load(rig, [again], "multimodal, the same image")
     cold(rig)
     other = with_image(image_b)
-    rig.driver.run(other)                                            # 3
+    rig.driver.run(other)  # 3
     local_b, hit_b, _ = external_hit(rig.driver, other)
     bound = offset // b * b
     assert local_b + hit_b <= bound, (
@@ -457,12 +457,12 @@ def test_another_model_on_one_store_gets_a_miss(make_rig, contract_profile, vari
     """
     kw, what, ignored, entry = OTHER_MODEL[variant]
     a = make_rig(block_size=BLOCK_SIZE)
-    stored, _replay_req, hit_a = stored_then_served(contract_profile, a)           # 1
+    stored, _replay_req, hit_a = stored_then_served(contract_profile, a)  # 1
     finish(a)
     close_rig(a)
     a2 = make_rig(block_size=BLOCK_SIZE)
     again = replay_of(a2, stored)
-    a2.driver.run(again)                                                   # 2
+    a2.driver.run(again)  # 2
     _local, hit_a2, _ = external_hit(a2.driver, again)
     finish(a2)
     close_rig(a2)
@@ -496,7 +496,7 @@ def test_another_model_on_one_store_gets_a_miss(make_rig, contract_profile, vari
     replay_b = replay_of(b, stored)
     crashed = ""
     try:
-        b.driver.run(replay_b)                                             # 3
+        b.driver.run(replay_b)  # 3
     except Exception as exc:  # noqa: BLE001 - named in the failure below
         first = (str(exc).splitlines() or [""])[0][:240]
         crashed = f" Loading it then raised {type(exc).__name__}: {first}"

@@ -74,14 +74,14 @@ def test_local_prefix_cache_hit_then_external_hit(make_rig, contract_profile,
     b, c = rig.block_size, chunk_tokens(contract_profile, rig.block_size)
     k = next(k for k in range(1, c // b + 2) if c <= b or (k * b) % c)
     n = prompt_len(contract_profile, b, -(-k * b // c) + 2, b // 2 + 1)
-    full = store(rig, n)                                           # 1
+    full = store(rig, n)  # 1
     cold(rig)
     head = rig.request(k * b + 1, shared_prefix=full.prompt_token_ids[:k * b])
-    rig.driver.run(head)                                            # 2
+    rig.driver.run(head)  # 2
     w = real_worker(rig)
     snap = snapshot_kv(w) if w else None
     replay = replay_of(rig, full)
-    rig.driver.run(replay)                                          # 3
+    rig.driver.run(replay)  # 3
     local, matched, _ = external_hit(rig.driver, replay)
     assert local == k * b, (
         f"scenario did not happen: vLLM's local prefix cache held {local} tokens "
@@ -151,7 +151,7 @@ def test_preemption_and_resume(make_rig, contract_profile, record_property) -> N
     prompt_blocks = -(-(n + 1) // b)
     rig = make_rig(block_size=b, num_blocks=max(
         2 * blocks_per_req + 2, 3 * prompt_blocks + decode_blocks + 1))
-    stored = [store(rig, n) for _ in range(3)]                      # 1
+    stored = [store(rig, n) for _ in range(3)]  # 1
     cold(rig)
     replays = [replay_of(rig, s, max_tokens=4 * b) for s in stored]
 
@@ -174,7 +174,7 @@ def test_preemption_and_resume(make_rig, contract_profile, record_property) -> N
             "answers a stale count from before the preemption")
 
     rig.driver.on_match = readmission
-    rig.driver.run(*replays)                                        # 2
+    rig.driver.run(*replays)  # 2
     preempted = [r for r in replays if r.num_preemptions > 0]
     assert preempted, (
         f"scenario did not happen: no request was preempted (pool "
@@ -261,7 +261,7 @@ def test_abort_leaves_nothing_behind(make_rig, contract_profile, when,
 
     rig = make_rig(block_size=BLOCK_SIZE)
     n = prompt_len(contract_profile, rig.block_size, 2, rig.block_size // 2 + 1)
-    stored = store(rig, n)                                         # 1
+    stored = store(rig, n)  # 1
     cold(rig)
     r = replay_of(rig, stored, max_tokens=16)
     rig.driver.add(r)
@@ -284,11 +284,11 @@ def test_abort_leaves_nothing_behind(make_rig, contract_profile, when,
             f"scenario did not happen: the request never ran (status {seen})")
     else:
         assert r.status == RequestStatus.WAITING, seen
-    aborted = rig.scheduler.finish_requests(r.request_id,                # 2
+    aborted = rig.scheduler.finish_requests(r.request_id,  # 2
                                             RequestStatus.FINISHED_ABORTED)
     assert [a.request_id for a in aborted] == [r.request_id], (
         f"vLLM did not abort request {r.request_id} (status {seen})")
-    rig.driver.run_until_idle()                                     # 3
+    rig.driver.run_until_idle()  # 3
     finish(rig)
     record_property("scenario", {"aborted_while": seen})
 
@@ -318,10 +318,10 @@ def test_reported_load_failure_affects_that_request_only(
                    kv_transfer_config=wrap_kv_transfer_config(ktc, "fail_load", 2))
     n = prompt_len(contract_profile, rig.block_size, 2, rig.block_size // 2 + 1)
     stored = [rig.request(n) for _ in range(3)]
-    rig.driver.run(*stored)                                         # 1
+    rig.driver.run(*stored)  # 1
     cold(rig)
     replays = [replay_of(rig, s) for s in stored]
-    rig.driver.run(*replays)                                        # 2
+    rig.driver.run(*replays)  # 2
     planned = {rid for mode, rid, _ in rig.scheduler.connector.injected
                if mode == "fail_load"}
     faulted = [r for r in replays if r.request_id in planned]
@@ -406,11 +406,11 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
                 "a failing save needs the connector's real worker side, which does "
                 "not run on this device (connector.worker_devices)")
         with inj.failing_saves(w):
-            rig.driver.run(a)                                       # 1
+            rig.driver.run(a)  # 1
         bb = store(rig, n)
         cold(rig)
         ra, rb = replay_of(rig, a), replay_of(rig, bb)
-        rig.driver.run(ra, rb)                                      # 2
+        rig.driver.run(ra, rb)  # 2
         _, ma, _ = external_hit(rig.driver, ra)
         check_hit(rig, rb, rule_hit(contract_profile, n, b), "after a failed save, B")
         check_every_load(rig, [ra, rb], "after a failed save")
@@ -428,7 +428,7 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
     assert a_entries, (
         f"the {type(inj).__name__} found no store entry written for a stored "
         f"{n}-token prompt")
-    bb = store(rig, n)                                             # 1
+    bb = store(rig, n)  # 1
     cold(rig)
     ra, rb = replay_of(rig, a), replay_of(rig, bb)
     damage = getattr(inj, kind)
@@ -444,7 +444,7 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
     else:
         damage(a_entries)
         at["state"] = "before the lookup"
-    rig.driver.run(ra, rb)                                          # 2
+    rig.driver.run(ra, rb)  # 2
     rig.driver.before_worker = None
     refused = list(getattr(inj, "refused", ()))
     if refused:  # another writer's file (or one changed since) is never touched
@@ -570,14 +570,14 @@ def test_tenant_isolation_cache_salt_and_lora(make_rig, contract_profile,
     rig = make_rig(block_size=BLOCK_SIZE)
     b = rig.block_size
     n = prompt_len(contract_profile, b, 2, b // 2 + 1)
-    stored = store(rig, n)                                         # 1
+    stored = store(rig, n)  # 1
     seen = {}
     for label, kw in (("cache_salt", {"cache_salt": "tvc-tenant-b"}),
                       ("LoRA adapter", {"lora_request": LoRARequest(
                           "tvc-adapter-b", 1, "/nonexistent/tvc-adapter-b")})):
         cold(rig)
         r = replay_of(rig, stored, **kw)
-        rig.driver.run(r)                                           # 2
+        rig.driver.run(r)  # 2
         _, m, _ = external_hit(rig.driver, r)
         seen[label] = m
         assert m == 0, (
@@ -588,7 +588,7 @@ def test_tenant_isolation_cache_salt_and_lora(make_rig, contract_profile,
             "name) or mix them in")
     cold(rig)
     plain = replay_of(rig, stored)
-    rig.driver.run(plain)                                           # 3
+    rig.driver.run(plain)  # 3
     _, m = check_hit(rig, plain, rule_hit(contract_profile, n, b), "tenant isolation")
     assert m > 0, ("scenario did not happen: the plain replay matched nothing, so "
                    "the 0 hits above prove nothing")
@@ -651,7 +651,7 @@ def test_chunked_prefill_stores_the_whole_prompt(make_rig, contract_profile,
     budget = max(c, 2 * b)
     rig = make_rig(block_size=b, max_num_batched_tokens=budget, max_num_seqs=4)
     first = rig.request(n)
-    rig.driver.run(first)                                           # 1
+    rig.driver.run(first)  # 1
     steps = sum(1 for s in rig.driver.history
                 if first.request_id in s.scheduled
                 and s.scheduled[first.request_id] > 1)
@@ -659,7 +659,7 @@ def test_chunked_prefill_stores_the_whole_prompt(make_rig, contract_profile,
                         f"prefilled in {steps} step(s) with a budget of {budget}")
     cold(rig)
     replay = replay_of(rig, first)
-    rig.driver.run(replay)                                          # 2
+    rig.driver.run(replay)  # 2
     expected = rule_hit(contract_profile, n, b)
     _, m = check_hit(rig, replay, expected, f"chunked prefill ({steps} steps)")
     check_every_load(rig, [replay], f"chunked prefill ({steps} prefill steps)")
@@ -716,7 +716,7 @@ def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
     # D2 decodes on, crossing into a new block every B steps
     d1 = rig.request(d_len, max_tokens=steps + 2)
     d2 = rig.request(d_len, max_tokens=steps + 3 * b)
-    d.add(d1, d2)                                                    # 1
+    d.add(d1, d2)  # 1
     # a connector may answer None ("ask again later", KVConnectorBase_V1.
     # get_num_new_matched_tokens): vLLM then admits the request in a later step
     for _ in range(DEFERRED_LOOKUP_STEPS):
@@ -729,7 +729,7 @@ def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
         f"{DEFERRED_LOOKUP_STEPS} steps; get_num_new_matched_tokens answers: "
         f"{d.matched.get(d1.request_id)}, {d.matched.get(d2.request_id)})")
     long = rig.request(n, max_tokens=2 * b)
-    d.add(long)                                                      # 2
+    d.add(long)  # 2
     rid = long.request_id
     before: list[int] = []  # tokens computed at the step before each preemption
     tables: list[list[int]] = []  # L's table before its first preemption, after
@@ -767,7 +767,7 @@ def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
     assert len(tables) == 2 and tables[0] != tables[1][:len(tables[0])], (
         "scenario did not happen: the prompt resumed on the block ids it had "
         f"before its preemption ({tables}): nothing else took its freed blocks")
-    cold(rig)                                                        # 3
+    cold(rig)  # 3
     replay = replay_of(rig, long)
     rig.driver.run(replay)
     _, m = check_hit(rig, replay, rule_hit(contract_profile, n, b),
@@ -845,11 +845,11 @@ def test_writes_no_more_than_vllm_asked_to_store(make_rig, contract_profile,
     rows = []
     for chunks, tail in ((1, b // 2), (2, 1), (4, b // 2 + 1)):
         n = prompt_len(contract_profile, b, chunks, tail)
-        r = store(rig, n, max_tokens=out_tokens)                   # 1
+        r = store(rig, n, max_tokens=out_tokens)  # 1
         blocks = -(-(n + (out_tokens if decode else 0)) // b)
         bound_bytes += int(blocks * per_block * (1 + WRITE_SLACK)) + WRITE_META_BYTES
         bound_entries += blocks * (layers + 1) + WRITE_META_ENTRIES
-        files = inj.entries_since(start)                             # 2
+        files = inj.entries_since(start)  # 2
         written = sum(p.stat().st_size for p in files if p.exists())
         rows.append({"request": r.request_id, "prompt": n, "blocks": blocks,
                      "bytes": written, "entries": len(files)})

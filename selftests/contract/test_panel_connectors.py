@@ -517,3 +517,31 @@ def test_an_off_by_one_at_the_threshold_is_red_at_its_edge(tmp_path: Path) -> No
     t = run.test("test_second_pass_matches_declared_hit_rule[16]")
     assert t["outcome"] == "failed", (t, run.tail(2000))
     assert "external hit for a 44-token prompt" in t["message"], t["message"]
+
+
+def test_an_async_load_failing_after_its_first_block_is_recomputed_from_there(
+        tmp_path: Path) -> None:
+    """A corrupt second block of an asynchronous load: vLLM recomputes from it.
+
+    The failure is reported with ``finished_recving``, before the request is
+    ever scheduled; vLLM then computes it from the first reported block
+    (``Scheduler._update_requests_with_invalid_blocks``). CI found this red
+    ("started computing at token 16, expected 32") for the seeds whose damaged
+    file is the second block's: the worker knew no block table for a request
+    that had not computed yet. Seeds 1 to 3 include such a case.
+    """
+    from_block: list[int] = []
+    for seed in (1, 2, 3):
+        (tmp_path / f"s{seed}").mkdir()
+        run = run_contract(tmp_path / f"s{seed}", "async-16", "AsyncPanelConnector",
+                           16, select=["suites/contract/test_scenarios.py", "-m",
+                                       "contract", f"--tvc-seed={seed}", "-k",
+                                       "store_fault and cpu-corrupt-recompute"])
+        test = run.test("test_store_fault_is_reported_never_silent[cpu-corrupt-")
+        assert test["outcome"] == "passed", (seed, test.get("message"), run.tail())
+        record = test["properties"]["scenario"]
+        assert record["reported"], record
+        from_block.append(record["reported_from"])
+    assert any(t and t > 0 for t in from_block), (
+        f"no seed damaged a block after the first (reported from {from_block}): "
+        "the premise of this test did not happen")

@@ -493,9 +493,12 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
     check_hit(rig, rb, full, f"store fault '{kind}', the undamaged request")
     check_every_load(rig, [ra, rb], f"store fault '{kind}'")
     finish(rig)
+    reported_from = None if w is None else w.reported_before_compute.get(
+        ra.request_id, w.reported_loads.get(ra.request_id))
     record_property("scenario", {
         "kind": kind, "policy": policy, "matched": ma, "full": full,
-        "reported": reported, "failed": ra.status == failed, "at": when})
+        "reported": reported, "reported_from": reported_from,
+        "failed": ra.status == failed, "at": when})
 
 
 def test_volume_of_stores_and_loads(make_rig, contract_profile, tvc_seed,

@@ -487,7 +487,7 @@ class EngineDriver:
             self.async_loads_started += 1
             local, n, _ = answers[-1]
             ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            poison(ids, local, local + int(n or 0))
+            poison(ids, local, local + int(n or 0), rid)
 
     def _load_pending(self) -> bool:
         """Whether a request with an external hit has not computed yet (a load)."""

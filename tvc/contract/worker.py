@@ -480,6 +480,8 @@ class ConnectorWorker:
         self.resumed: list[str] = []
         self.reported_failed_requests: set[str] = set()
         self._expected_loads: dict[str, tuple[int, int]] = {}
+        # request id -> blocks of an asynchronous load not yet computed
+        self._async_tables: dict[str, list[int]] = {}
         self.heal_reported = False
         self.unrecomputed: set[int] = set()
         self.unrecomputed_reads: list[str] = []
@@ -792,14 +794,25 @@ class ConnectorWorker:
         kv = self.kv_caches[name]
         return token_view(kv, blocks.to(kv.device), offsets.to(kv.device))
 
-    def poison_blocks(self, block_ids: Sequence[int], start: int, end: int
-                      ) -> None:
+    def poison_blocks(self, block_ids: Sequence[int], start: int, end: int,
+                      req_id: str | None = None) -> None:
         """Fill tokens [start, end) of a block table with :data:`POISON`.
 
         Done in the next worker step, right after ``handle_preemptions`` (what
         a connector finishes there may still read a block vLLM handed out
         again). Tokens past the table's blocks are left out.
+
+        Args:
+            block_ids: the blocks vLLM allocated the request.
+            start: first token to poison.
+            end: token after the last to poison.
+            req_id: the request loading asynchronously into them: its blocks
+                are known from here, before the scheduler sends it (a failure
+                its load reports before it computes names these blocks).
+
         """
+        if req_id is not None and req_id not in self.loaded:
+            self._async_tables[req_id] = list(block_ids)
         end = min(end, len(block_ids) * self.block_size)
         if end > start:
             self._poison_due.append((list(block_ids), start, end))
@@ -983,6 +996,7 @@ class ConnectorWorker:
                     if rid in self.loaded:
                         continue
                     self.loaded[rid] = start
+                    self._async_tables.pop(rid, None)
                     self._note_unrecomputed_read(rid, start)
                     if start > 0:
                         self.verified.setdefault(rid, []).append((0, start))
@@ -1202,7 +1216,7 @@ class ConnectorWorker:
             # computes (with finished_recving); vLLM then recomputes it from
             # its first reported block (Scheduler._update_requests_with_
             # invalid_blocks), so it first computes from there
-            for rid, table in self.block_table.items():
+            for rid, table in {**self._async_tables, **self.block_table}.items():
                 first = next((i for i, blk in enumerate(table) if blk in invalid),
                              None)
                 if rid not in self.loaded and first is not None:

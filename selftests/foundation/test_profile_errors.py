@@ -109,3 +109,23 @@ def test_a_folder_given_as_profile_says_it_is_a_folder(tmp_path: Path) -> None:
     _assert_one_line_usage_error(
         run, ("is a folder, not a profile file", "(there: mine.toml)"),
         "'")  # the path itself is shortened when long (xdist's tmp_path)
+
+
+def test_a_profile_path_after_a_space_is_not_taken_for_the_rootdir(
+        tmp_path: Path) -> None:
+    """``--tvc-profile /x/p.toml`` (a space, no ``=``) from the checkout.
+
+    pytest picks its rootdir from the command line's paths before the plugin's
+    options exist, so it took ``/x`` for the rootdir and collected the working
+    folder (a conftest error about ``pytest_plugins``). Now one line says so and
+    gives the ``=`` form.
+    """
+    profile = tmp_path / "mine.toml"
+    profile.write_text(GOOD_HEAD)
+    run = run_suite(["-m", "level1", "--tvc-profile", str(profile)], tmp_path / "r")
+    assert run.rc == 4, run.tail()
+    assert run.summary is None
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in run.stdout, run.stdout
+    assert lines[0].startswith("ERROR: pytest read the value of '--tvc-profile "), lines
+    assert f"write --tvc-profile={profile}" in lines[0], lines

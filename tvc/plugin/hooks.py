@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import configparser
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -276,6 +277,12 @@ def pytest_load_initial_conftests(early_config: pytest.Config,
     global _IMPORT_DEFER
     held, _IMPORT_DEFER = _IMPORT_DEFER, None
     ns = early_config.known_args_namespace
+    misread = _path_value_read_as_rootdir(early_config.rootpath,
+                                          early_config.invocation_params.dir, args)
+    if misread:
+        if held is not None:
+            held.restore()
+        raise pytest.UsageError(misread)
     reason = _suite_reason(early_config.rootpath, lambda d: getattr(ns, d, None))
     if not reason:
         if held is not None and held.restore():
@@ -325,6 +332,33 @@ def suite_run_reason(config: pytest.Config) -> str:
     registers its options.
     """
     return _suite_reason(config.rootpath, lambda d: config.getoption(d, None))
+
+
+PATH_OPTIONS = ("--tvc-profile", "--tvc-report-dir", "--tvc-trace-file")
+
+
+def _path_value_read_as_rootdir(rootpath: Path, cwd: Path, args: list[str]) -> str:
+    """Why pytest's rootdir comes from a path option's value ('' when it does not).
+
+    pytest chooses its rootdir from the paths on the command line before any
+    plugin has added its options, so in ``--tvc-profile /x/p.toml`` (a space, not
+    ``=``) it reads ``/x/p.toml`` as a test path: the rootdir becomes ``/x``, the
+    suite's ``testpaths`` and markers are lost, and the working folder is
+    collected. Caught when the rootdir holds such a value and does not hold the
+    working folder.
+    """
+    root, here = Path(rootpath).resolve(), Path(cwd).resolve()
+    if here.is_relative_to(root):
+        return ""
+    for opt, value in itertools.pairwise(args):
+        if opt not in PATH_OPTIONS:
+            continue
+        path = (here / value).resolve()
+        if path.is_relative_to(root):
+            return (f"pytest read the value of '{opt} {value}' as a test path and "
+                    f"took {root} as its rootdir (it chooses the rootdir before it "
+                    f"knows {opt}): write {opt}={value}")
+    return ""
 
 
 def _suite_reason(rootpath: Path, value: Any) -> str:

@@ -259,3 +259,17 @@ def test_failures_page_is_readable_like_the_other_pages(tmp_path: Path) -> None:
     assert "boom" in page.read_text()
     assert page.stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "summary.md").stat().st_mode & 0o777 == 0o644
+
+
+def test_failures_page_keeps_the_whole_cause_with_its_fix(tmp_path: Path) -> None:
+    """A fresh user found a fix cut off at about 400 characters on the page:
+    ``failures.md`` now keeps the message's whole first line (the console line
+    stays short)."""
+    from tvc.report.live import LiveReds
+
+    msg = ("store fault 'corrupt': " + "the connector loaded a damaged entry " * 12
+           + "Fix: verify each file of an entry before loading it (end of fix)")
+    assert len(msg) > 500
+    line = LiveReds(tmp_path, "profile example").add("a::t", "failed", msg)
+    assert len(line) < 300 and line.endswith("…"), line
+    assert "(end of fix)" in (tmp_path / "failures.md").read_text()

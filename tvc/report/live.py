@@ -19,6 +19,7 @@ from pathlib import Path
 
 FILE = "failures.md"
 CAUSE_CHARS = 160  # the console line's cause: one line of a wide terminal
+PAGE_CAUSE_CHARS = 4000  # failures.md: the whole first line, its "Fix: …" included
 
 
 def cause(message: str, limit: int = CAUSE_CHARS) -> str:
@@ -64,7 +65,8 @@ class LiveReds:
 
         """
         elapsed = int(time.time() - self.started)
-        red = {"nodeid": nodeid, "outcome": outcome, "cause": cause(message, 400),
+        red = {"nodeid": nodeid, "outcome": outcome,
+               "cause": cause(message, PAGE_CAUSE_CHARS),
                "rerun": rerun, "at": f"{elapsed // 60} min {elapsed % 60:02d} s"}
         self.reds.append(red)
         line = (f"tvc: RED {len(self.reds)}: {nodeid} ({outcome}): "

@@ -129,12 +129,15 @@ def is_checkout(root: Path) -> bool:
 def reports_dir(root: Path, env: dict[str, str]) -> Path:
     """Where a certification's run folder goes (never into an installed package).
 
-    ``$TVC_REPORTS_ROOT``; ``<root>/reports`` in a checkout; else ``./reports``
-    of the current folder (:func:`tvc.config.paths.reports_root`'s rule).
+    ``$TVC_REPORTS_ROOT``; ``<root>/reports`` for a run started inside a
+    checkout; else ``./reports`` of the current folder
+    (:func:`tvc.config.paths.reports_root`'s rule).
     """
     if env.get("TVC_REPORTS_ROOT"):
         return Path(env["TVC_REPORTS_ROOT"]).expanduser().resolve()
-    return (root if is_checkout(root) else Path.cwd().resolve()) / "reports"
+    here = Path.cwd().resolve()
+    inside = is_checkout(root) and here.is_relative_to(Path(root).resolve())
+    return (root if inside else here) / "reports"
 
 
 def tier_paths(root: Path) -> list[str]:

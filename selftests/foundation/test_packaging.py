@@ -91,7 +91,9 @@ def test_defaults_in_a_checkout_and_installed(monkeypatch: pytest.MonkeyPatch,
     """Reports and scratch never default into the package's folder."""
     monkeypatch.delenv("TVC_REPORTS_ROOT", raising=False)
     assert paths.CHECKOUT == REPO_ROOT
-    assert paths.reports_root(tmp_path) == REPO_ROOT / "reports"
+    assert paths.reports_root(REPO_ROOT / "suites") == REPO_ROOT / "reports"
+    # started from another folder (an editable install): reports go there
+    assert paths.reports_root(tmp_path) == tmp_path.resolve() / "reports"
     assert paths.default_scratch("x") == REPO_ROOT / ".scratch" / "x"
     assert paths.suites_dir() == REPO_ROOT / "suites"
     monkeypatch.setattr(paths, "CHECKOUT", None)  # as installed from the wheel

@@ -54,8 +54,10 @@ def suites_dir() -> Path:
 def reports_root(invocation_dir: Path | None = None) -> Path:
     """The folder run folders go to by default (``<root>/<time>-<profile>``).
 
-    First match wins: ``$TVC_REPORTS_ROOT``; ``<checkout>/reports`` in a checkout;
-    ``<invocation_dir>/reports`` (default: the current directory) when installed.
+    First match wins: ``$TVC_REPORTS_ROOT``; ``<checkout>/reports`` for a run
+    started inside the checkout; else ``<invocation_dir>/reports`` (default: the
+    current directory), where the user runs it (an editable install run from
+    another folder writes there, not into the checkout).
 
     Args:
         invocation_dir: the directory pytest was started in
@@ -68,10 +70,10 @@ def reports_root(invocation_dir: Path | None = None) -> Path:
     env = os.environ.get("TVC_REPORTS_ROOT")
     if env:
         return Path(env).expanduser().resolve()
-    if CHECKOUT is not None:
+    base = (Path(invocation_dir) if invocation_dir else Path.cwd()).resolve()
+    if CHECKOUT is not None and base.is_relative_to(CHECKOUT.resolve()):
         return CHECKOUT / "reports"
-    base = Path(invocation_dir) if invocation_dir else Path.cwd()
-    return base.resolve() / "reports"
+    return base / "reports"
 
 
 def default_scratch(profile_name: str) -> Path:

@@ -83,6 +83,19 @@ def test_a_vcs_install_gives_its_commit_and_a_checkout_its_head(
 
 def test_a_package_of_unknown_source_says_so(tmp_path: Path) -> None:
     assert P.git_head(tmp_path) == {}
+    # `pip install <checkout>` (not editable) copied the code at install time:
+    # the checkout's HEAD now may be later, so no commit is claimed
+    tree = make_git_tree(tmp_path / "src", {"tvcfakecopy/__init__.py": ""})
+    site = tmp_path / "site"
+    make_fake_distribution(site, "tvcfakecopy", "1.0", {
+        "tvcfakecopy/__init__.py": ""}, direct_url={"url": tree.as_uri(),
+                                                    "dir_info": {}})
+    dist = md.PathDistribution(next(site.glob("tvcfakecopy-*.dist-info")))
+    copy = P.distribution_source(dist)
+    assert "commit" not in copy, copy
+    assert P.one_line(copy) == (
+        f"tvcfakecopy 1.0, source commit unknown (installed (not editable) from "
+        f"{tree}: the commit it was installed at is not recorded)")
     assert P.one_line({"distribution": "x", "version": "1"}) == (
         "x 1, source commit unknown")
 

@@ -72,7 +72,13 @@ def distribution_source(dist: md.Distribution) -> dict[str, Any]:
                    source="direct_url.json vcs_info")
     elif isinstance(direct, dict) and str(direct.get("url", "")).startswith("file:"):
         folder = Path(unquote(urlparse(direct["url"]).path))
-        out.update(url=direct["url"], **git_head(folder))
+        out["url"] = direct["url"]
+        info = direct.get("dir_info")
+        if isinstance(info, dict) and info.get("editable"):
+            out.update(git_head(folder))  # the code runs from that checkout
+        else:  # a copy made at install time: today's HEAD there may be later
+            out["source"] = (f"installed (not editable) from {folder}: the "
+                             "commit it was installed at is not recorded")
     return out
 
 
@@ -185,4 +191,5 @@ def one_line(entry: dict[str, Any]) -> str:
         text += f" ({entry['source']})" if entry.get("source") else ""
     else:
         text += ", source commit unknown"
+        text += f" ({entry['source']})" if entry.get("source") else ""
     return text

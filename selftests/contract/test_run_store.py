@@ -216,3 +216,35 @@ def test_store_pool_is_removed_only_when_the_suite_made_it(tmp_path: Path) -> No
     store = open_posix_store(theirs, 8192, direct=False)
     store.destroy()
     assert theirs.is_dir() and list(theirs.iterdir()) == []
+
+
+def test_a_writer_during_removal_never_leaves_a_folder_without_its_marker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process still writing while the session folder is removed.
+
+    A fresh user found a 34 MB ``run-stores/<pid>-<id>`` folder left without
+    its marker: ``rmtree`` had deleted the marker, a late writer added files,
+    and the last ``rmdir`` failed, so no later session could remove it. Now
+    the marker goes last and comes back when a file arrives in between.
+    """
+    folder = rs.make_owned_dir(tmp_path / "run-stores" / f"{os.getpid()}-abc",
+                               "abc")
+    (folder / "kv").mkdir()
+    for i in range(20):
+        (folder / "kv" / f"{i}.bin").write_bytes(b"x" * 100)
+    real_unlink = os.unlink
+    late = {"n": 0}
+
+    def writer_after_each_unlink(*args: object, **kwargs: object) -> None:
+        real_unlink(*args, **kwargs)  # type: ignore[arg-type]
+        if late["n"] < 50:  # a writer that keeps saving until it stops
+            late["n"] += 1
+            with open(folder / f"late-{late['n']}.bin", "wb") as f:
+                f.write(b"y")
+
+    monkeypatch.setattr(os, "unlink", writer_after_each_unlink)
+    assert not rs.remove_owned_dir(folder)  # the writer outlasted the tries
+    monkeypatch.undo()
+    assert rs.owner_of(folder) is not None, sorted(p.name for p in folder.iterdir())
+    # the writer has stopped: the next try removes the folder
+    assert rs.remove_owned_dir(folder) and not folder.exists()

@@ -301,8 +301,42 @@ def remove_owned_dir(path: Path, pid: int | None = None, folder_id: str | None =
     if facts is None or (pid is not None and facts.get("pid") != pid) or (
             folder_id is not None and facts.get("id") != folder_id):
         return False
-    shutil.rmtree(path, ignore_errors=True)
+    _remove_marker_last(path, facts)
     return not path.exists()
+
+
+def _remove_marker_last(path: Path, facts: dict[str, Any], tries: int = 3) -> None:
+    """Empty ``path`` and remove it, its ownership marker last.
+
+    A process still writing in the folder (a server not yet down, a connector's
+    saving thread) can add files while it is removed; ``rmtree`` would then
+    delete the marker and fail on the last ``rmdir``, leaving a folder nobody
+    may remove. Here the marker goes only once nothing else is left; otherwise
+    it stays (or is written back, ``facts``, when a file came in between), and
+    the next session removes the folder of this dead process.
+    """
+    for _ in range(tries):
+        try:
+            rest = [c for c in path.iterdir() if c.name != OWNER_MARKER]
+        except OSError:
+            return
+        if not rest:
+            break
+        for child in rest:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    child.unlink()
+    else:
+        return
+    try:
+        (path / OWNER_MARKER).unlink()
+        path.rmdir()
+    except OSError:
+        if path.is_dir() and not (path / OWNER_MARKER).exists():
+            with contextlib.suppress(OSError):
+                _write_marker(path / OWNER_MARKER, facts)
 
 
 def remove_if_only_marker(path: Path) -> bool:

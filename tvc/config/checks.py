@@ -406,21 +406,6 @@ def owned_dir(value: str, raw: str | None = None) -> Path:
     return norm
 
 
-def strings_at(value: Any, where: str) -> list[tuple[str, str]]:
-    """(dotted key, string) for every string in a nested table/list (iterative)."""
-    out: list[tuple[str, str]] = []
-    stack: list[tuple[str, Any]] = [(where, value)]
-    while stack:
-        key, v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend((f"{key}.{k}", x) for k, x in v.items())
-        elif isinstance(v, list):
-            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
-        elif isinstance(v, str):
-            out.append((key, v))
-    return out
-
-
 # extra_config keys whose bare relative value ("kvstore", no "./") is a store path:
 # the key's last name ends in one of these words (shared_storage_path, cache_dir,
 # root, local_disk); any key's value starting with /, ~, ./, ../ or file: is one too

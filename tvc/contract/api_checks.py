@@ -236,13 +236,6 @@ def stats_payload(obj: Any) -> dict[str, Any]:
     return pickle.loads(pickle.dumps(data))
 
 
-def _reduced(obj: Any) -> str:
-    try:
-        return repr(obj.reduce())
-    except Exception:  # noqa: BLE001 - the message only
-        return repr(getattr(obj, "data", obj))
-
-
 def known_blocks(requests: Iterable[Any], block_size: int
                  ) -> dict[Any, tuple[tuple[int, ...], Any]]:
     """Every full block the run's requests hashed, as KV events name them.

@@ -421,3 +421,34 @@ class BadFreesBeforeSaveConnector(MemoryConnector):
                      ) -> tuple[set[str] | None, set[str] | None]:
         _sent, recv = super().get_finished(finished_req_ids)
         return None, recv  # nothing was delayed, so nothing to report
+
+
+class BadSavesFailedLoadConnector(MemoryConnector):
+    """Fault: at request_finished it saves the blocks it loaded, from the block
+    table it kept at ``update_state_after_alloc``, rather than what vLLM hands
+    it (vLLM 0.28 passes only the blocks of ``request.num_computed_tokens``,
+    which it truncates at the first failed block): a request whose load failed
+    under ``kv_load_failure_policy = "fail"`` has its never-computed blocks
+    saved, and a later request loads them (a fresh user's connector did this)."""
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens > 0:
+            tables = self.__dict__.setdefault("_tables", {})
+            tables[request.request_id] = list(blocks.get_block_ids()[0])
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        table = self.__dict__.get("_tables", {}).pop(request.request_id, None)
+        if request.status.name != "FINISHED_ERROR" or not table:
+            return super().request_finished(request, block_ids)
+        self._local.pop(request.request_id, None)
+        keys = self.keys(request)
+        n = min(len(keys), request.num_prompt_tokens // self.block_size, len(table))
+        todo = [(table[i], keys[i]) for i in range(n) if keys[i] not in self.store]
+        if not todo:
+            return False, None
+        self._saves.append((request.request_id, todo,
+                            tuple(request.prompt_token_ids or ())))
+        return True, None

@@ -252,3 +252,34 @@ def test_a_long_drain_that_progresses_is_not_a_stuck_load() -> None:
     # the old loop judged after max_steps steps even when the last one emptied
     # the scheduler: a drain of max_steps steps or more was red
     assert res["drain_steps"] >= res["max_steps"], res
+
+
+@pytest.mark.parametrize(("cls", "red"), [("BadSavesFailedLoadConnector", True),
+                                          ("MemoryConnector", False)])
+def test_a_save_of_a_failed_loads_blocks_is_named(cls: str, red: bool,
+                                                  tmp_path: Path) -> None:
+    """The store-fault scenario under ``kv_load_failure_policy = "fail"`` asks
+    for the failed prompt again: a connector that saved the never-computed
+    blocks of the failed load (from its own block table) serves the harness's
+    failed-load mark, and the red names the save, not "nothing was loaded"."""
+    prof = tmp_path / f"explore-{cls}.toml"
+    prof.write_text(PROFILE.format(cls=cls, scratch=tmp_path / "scratch"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TVC_PROFILE", "TVC_SEED", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/contract/test_scenarios.py",
+         "-m", "contract", "-k", "store_fault and cpu and fail and not fail_save",
+         f"--tvc-profile={prof}", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+         f"--tvc-report-dir={tmp_path / 'report'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    if not red:
+        assert proc.returncode == 0 and "2 passed" in out, out[-3000:]
+        return
+    assert proc.returncode == 1 and "2 failed" in out, out[-3000:]
+    assert "A asked again: loaded KV differs" in out, out[-3000:]
+    assert ("the harness's mark of a block whose load failed under "
+            'kv_load_failure_policy = "fail"') in out, out[-3000:]
+    assert "nothing was loaded into them" not in out, out[-3000:]

@@ -379,7 +379,9 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
          interface (or A matches less), and then: ``recompute`` -> A is
          recomputed and finishes with correct KV, ``fail`` -> A ends
          FINISHED_ERROR; B loads bit-identical KV and finishes normally; A's KV
-         is never silently wrong.
+         is never silently wrong;
+      4. when A failed: A asked again misses, fails again (reported) or loads
+         the stored KV, never the blocks of its failed load.
     fail_save:
       1. store A while every save fails, then B normally;
       2. replay both: no exception escapes; A matches nothing or loads correct
@@ -492,6 +494,14 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
         f"store fault '{kind}' of one request failed the other ({rb.request_id})")
     check_hit(rig, rb, full, f"store fault '{kind}', the undamaged request")
     check_every_load(rig, [ra, rb], f"store fault '{kind}'")
+    if ra.status == failed:
+        # 4. A again: vLLM never computed the blocks of its failed load
+        #    (FINISHED_ERROR); a miss, a reported failure or the stored KV
+        #    (a connector that saved those blocks serves the harness's mark)
+        cold(rig)
+        again = replay_of(rig, a)
+        rig.driver.run(again)
+        check_every_load(rig, [again], f"store fault '{kind}', A asked again")
     finish(rig)
     reported_from = None if w is None else w.reported_before_compute.get(
         ra.request_id, w.reported_loads.get(ra.request_id))

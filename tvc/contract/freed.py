@@ -43,6 +43,9 @@ from typing import Any
 
 #: a block vLLM allocated that neither the forward nor a load has written yet
 UNWRITTEN = 0.125
+#: a block of a load that failed under kv_load_failure_policy = "fail": vLLM
+#: ends the request FINISHED_ERROR and never computes it
+FAILED_LOAD = 0.375
 
 USED_AFTER_FREE = "used after vLLM freed it"
 #: what a load that brings back another request's KV says (a save after reuse)
@@ -57,6 +60,11 @@ DELAYED_FREE_FIX = (
     "delayed free: Scheduler._free_request frees the blocks at once otherwise), "
     "or finish the save in handle_preemptions once vLLM hands one of those "
     "blocks to another request (as vLLM's OffloadingConnector does)")
+FAILED_SAVE_FIX = (
+    "save only what vLLM counts computed: request.num_computed_tokens, which "
+    "vLLM truncates at the first block reported failed "
+    "(Scheduler._update_requests_with_invalid_blocks), not the connector's own "
+    "count of what it loaded")
 RESUME_FIX = (
     "after a preemption vLLM resumes the request with a whole new block table "
     "(scheduled_cached_reqs.resumed_req_ids, new_block_ids replace the old ones) "
@@ -81,6 +89,11 @@ def mark_meaning(value: float) -> str:
                 "from a block after vLLM had freed it and handed it to another "
                 "request, before that request computed there (request_finished "
                 "returned False while a save from the block was queued)")
+    if value == FAILED_LOAD:
+        return ("; it holds the harness's mark of a block whose load failed under "
+                "kv_load_failure_policy = \"fail\": the entry was saved from a "
+                f"request vLLM ended FINISHED_ERROR, from blocks it never computed. "
+                f"Fix: {FAILED_SAVE_FIX}")
     return ""
 
 
@@ -96,6 +109,9 @@ INVARIANTS = {
         "build_connector_meta / save_kv_layer (saves tokens not yet computed), "
         "or request_finished (returned False while a save from the blocks was "
         "queued)"),
+    "no save of a failed load": (
+        "request_finished / save_kv_layer / wait_for_save (saved the blocks of a "
+        "load that failed)"),
     "no write into a free block": (
         "start_load_kv / wait_for_layer_load (a load into a block vLLM freed)"),
 }
@@ -112,6 +128,8 @@ def blame(text: str) -> tuple[str, str] | None:
         name = "no use of blocks vLLM freed"
     elif "before vLLM computed them" in text:
         name = "saves hold computed KV"
+    elif "a block whose load failed" in text:
+        name = "no save of a failed load"
     else:
         return None
     return name, INVARIANTS[name]

@@ -20,6 +20,7 @@ from tvc.contract.compat import allocate_kv_caches as allocate_kv_caches
 from tvc.contract.compat import attention_backend as attention_backend
 from tvc.contract.freed import (
     DELAYED_FREE_FIX,
+    FAILED_LOAD,
     SAVED_AFTER_REUSE,
     UNWRITTEN,
     fill_blocks,
@@ -480,8 +481,13 @@ class ConnectorWorker:
         self.resumed: list[str] = []
         self.reported_failed_requests: set[str] = set()
         self._expected_loads: dict[str, tuple[int, int]] = {}
-        # request id -> blocks of an asynchronous load not yet computed
-        self._async_tables: dict[str, list[int]] = {}
+        # request id -> (blocks, end of the load) of an asynchronous load not yet
+        # computed; the first token reported failed of those reported this step
+        self._async_tables: dict[str, tuple[list[int], int]] = {}
+        self._async_reported_now: dict[str, int] = {}
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy",
+                         "recompute")
+        self._fail_policy = policy == "fail"
         self.heal_reported = False
         self.unrecomputed: set[int] = set()
         self.unrecomputed_reads: list[str] = []
@@ -678,8 +684,9 @@ class ConnectorWorker:
                 poisoned = not bool(rest.ne(POISON).any())
                 marked = "" if zero or poisoned else self._other_requests_kv(
                     req_id, name, i, start + bad)
-                if not marked and holds(rest, UNWRITTEN):
-                    marked = mark_meaning(UNWRITTEN)
+                for mark in (UNWRITTEN, FAILED_LOAD):
+                    if not marked and holds(rest, mark):
+                        marked = mark_meaning(mark)
                 if not (zero or poisoned or marked):
                     marked = self._whose_kv(req_id, name, i, start + bad)
                 worst = (start + bad,
@@ -812,7 +819,7 @@ class ConnectorWorker:
 
         """
         if req_id is not None and req_id not in self.loaded:
-            self._async_tables[req_id] = list(block_ids)
+            self._async_tables[req_id] = (list(block_ids), end)
         end = min(end, len(block_ids) * self.block_size)
         if end > start:
             self._poison_due.append((list(block_ids), start, end))
@@ -827,13 +834,18 @@ class ConnectorWorker:
             self._poison_slots(self.block_table[req_id], start, end)
 
     def _poison_slots(self, table: list[int], start: int, end: int) -> None:
+        self._fill_slots(table, start, end, POISON)
+
+    def _fill_slots(self, table: list[int], start: int, end: int, value: float
+                    ) -> None:
+        """Fill tokens [start, end) of a block table with ``value``, every layer."""
         import torch
 
         blocks, offs, _pos = slots_for(table, start, end, self.block_size)
         for name in self.names:
             kv = self.kv_caches[name]
             b, o = blocks.to(kv.device), offs.to(kv.device)
-            set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), POISON))
+            set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), value))
 
     def _before_load(self, expected: dict[str, tuple[int, int]]) -> None:
         """The harness's writes before a step's loads: marks, then poison.
@@ -1028,9 +1040,32 @@ class ConnectorWorker:
         self._judge_shared_block(work, expected)
         if self.freed is not None:
             self.freed.check(f"the worker step of engine step {self._steps}")
+        if self._fail_policy:
+            self._mark_failed_loads(checks)
         if self.heal_reported:
             self._heal(checks)
         return out
+
+    def _mark_failed_loads(self, checks: list[tuple[str, int, tuple[int, str] | None]]
+                           ) -> None:
+        """Fill the reported blocks of this step's failed loads with FAILED_LOAD.
+
+        Under ``kv_load_failure_policy = "fail"`` vLLM ends such a request
+        FINISHED_ERROR and never computes those blocks (``Scheduler.
+        _handle_invalid_blocks``; it evicts them from its prefix cache). A
+        connector that saves them anyway (counting what it loaded instead of
+        ``request.num_computed_tokens``) serves this mark to a later request,
+        and the load error names the save (:func:`mark_meaning`).
+        """
+        for rid, start, _bad in checks:
+            first = self._reported_now.get(rid)
+            if first is not None and first < start:
+                self._fill_slots(self.block_table[rid], first, start, FAILED_LOAD)
+        for rid, first in self._async_reported_now.items():
+            table, end = self._async_tables.get(rid, ([], 0))
+            end = min(end, len(table) * self.block_size)
+            if first < end:
+                self._fill_slots(table, first, end, FAILED_LOAD)
 
     def _judge_shared_block(self, work: list[tuple[str, int, int]],
                             expected: dict[str, tuple[int, int]]) -> None:
@@ -1210,18 +1245,21 @@ class ConnectorWorker:
         """
         b = self.block_size
         self._reported_now = {}
+        self._async_reported_now = {}
         if invalid:
             self.reported_invalid_blocks |= invalid
             # an asynchronous load's failure is reported before its request
             # computes (with finished_recving); vLLM then recomputes it from
             # its first reported block (Scheduler._update_requests_with_
             # invalid_blocks), so it first computes from there
-            for rid, table in {**self._async_tables, **self.block_table}.items():
+            tables = {r: t for r, (t, _e) in self._async_tables.items()}
+            for rid, table in {**tables, **self.block_table}.items():
                 first = next((i for i, blk in enumerate(table) if blk in invalid),
                              None)
                 if rid not in self.loaded and first is not None:
                     self.reported_before_compute[rid] = min(
                         first * b, self.reported_before_compute.get(rid, first * b))
+                    self._async_reported_now[rid] = first * b
         failed: set[str] = set()
         for rid, start, bad in checks:
             table = self.block_table.get(rid, [])

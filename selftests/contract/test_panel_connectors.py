@@ -545,3 +545,18 @@ def test_an_async_load_failing_after_its_first_block_is_recomputed_from_there(
     assert any(t and t > 0 for t in from_block), (
         f"no seed damaged a block after the first (reported from {from_block}): "
         "the premise of this test did not happen")
+
+
+def test_a_48_token_chunk_gets_its_resumed_prefill(tmp_path: Path) -> None:
+    """Chunks of 48 tokens: the resumed-prefill plan's first prompt (345 tokens)
+    resumes on its own block ids (vLLM's free-block queue), which a fresh user's
+    correct connector got as a red ("scenario did not happen"); the plan now
+    tries the prompt one chunk longer, on a fresh rig, and the scenario runs."""
+    run = run_contract(tmp_path, "chunked-48", "SyncPanelConnector", 48,
+                       select=["suites/contract/test_scenarios.py", "-m",
+                               "contract", "-k",
+                               "chunked_prefill_preempted and cpu"])
+    test = run.test("test_chunked_prefill_preempted_and_resumed[cpu]")
+    assert test["outcome"] == "passed", (test.get("message"), run.tail())
+    record = test["properties"]["scenario"]
+    assert record["prompt_len"] > 7 * 48 + 9 and len(record["preempted_after"]) >= 2

@@ -36,6 +36,7 @@ from tvc.contract.steps import (
     check_every_load,
     check_hit,
     chunk_tokens,
+    close_rig,
     cold,
     fault_point,
     finish,
@@ -354,6 +355,8 @@ def test_reported_load_failure_affects_that_request_only(
     record_property("scenario", {"faulted": bad.request_id, "policy": policy,
             "reported_blocks": sorted(reported)})
 
+
+PLAN_TRIES = 3  # prompt lengths the resumed-prefill plan tries (one chunk apart)
 
 STORE_FAULTS = [("lose", "recompute"), ("lose", "fail"), ("corrupt", "recompute"),
                 ("tear", "recompute"), ("tear", "fail"), ("fail_save", "recompute")]
@@ -711,62 +714,72 @@ def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
        bit-identical loads; nothing leaks.
     """
     b = BLOCK_SIZE
-    n = prompt_len(contract_profile, b, 7, b // 2 + 1)
     # L's share of a step is 2B + 6 tokens (B + 6 mod B): its chunks end off
     # block boundaries, and after a preemption at 2 such chunks a count that
     # was not reset runs B - 4 tokens ahead across a chunk boundary
     budget = 2 * b + 8
     d_len = b - 2  # D1, D2 cross into their second block in L's third step
-    steps = -(-n // (budget - 2))  # L's prefill steps beside two decodes
-    # null block + L's prompt + D2's blocks when D1 ends (steps + 2 tokens
-    # on): L resumes exactly then, and any growth preempts it again; before,
-    # D1 and D2 hold more, so L cannot finish its prefill
-    pool = 1 + -(-n // b) + -(-(d_len + steps + 3) // b)
-    rig = make_rig(block_size=b, num_blocks=pool, max_num_batched_tokens=budget,
-                   max_num_seqs=4)
-    sched, d = rig.scheduler, rig.driver
-    # D1 ends soon after L's prefill would have (L resumes on its blocks);
-    # D2 decodes on, crossing into a new block every B steps
-    d1 = rig.request(d_len, max_tokens=steps + 2)
-    d2 = rig.request(d_len, max_tokens=steps + 3 * b)
-    d.add(d1, d2)  # 1
-    # a connector may answer None ("ask again later", KVConnectorBase_V1.
-    # get_num_new_matched_tokens): vLLM then admits the request in a later step
-    for _ in range(DEFERRED_LOOKUP_STEPS):
-        d.step()
-        if d1.num_output_tokens or d2.num_output_tokens:
+    first = prompt_len(contract_profile, b, 7, b // 2 + 1)
+    # which block ids L gets back depends on vLLM's free-block queue, so on L's
+    # length: where L resumes on its own ids, the plan is tried again with L
+    # one chunk longer (a fresh rig), at most PLAN_TRIES times
+    c = chunk_tokens(contract_profile, b)
+    for attempt in range(PLAN_TRIES):
+        n = first + attempt * c
+        steps = -(-n // (budget - 2))  # L's prefill steps beside two decodes
+        # null block + L's prompt + D2's blocks when D1 ends (steps + 2 tokens
+        # on): L resumes exactly then, and any growth preempts it again;
+        # before, D1 and D2 hold more, so L cannot finish its prefill
+        pool = 1 + -(-n // b) + -(-(d_len + steps + 3) // b)
+        rig = make_rig(block_size=b, num_blocks=pool,
+                       max_num_batched_tokens=budget, max_num_seqs=4)
+        sched, d = rig.scheduler, rig.driver
+        # D1 ends soon after L's prefill would have (L resumes on its blocks);
+        # D2 decodes on, crossing into a new block every B steps
+        d1 = rig.request(d_len, max_tokens=steps + 2)
+        d2 = rig.request(d_len, max_tokens=steps + 3 * b)
+        d.add(d1, d2)  # 1
+        # a connector may answer None ("ask again later", KVConnectorBase_V1.
+        # get_num_new_matched_tokens): vLLM then admits it in a later step
+        for _ in range(DEFERRED_LOOKUP_STEPS):
+            d.step()
+            if d1.num_output_tokens or d2.num_output_tokens:
+                break
+        assert d1.num_output_tokens and d2.num_output_tokens, (
+            f"scenario did not happen: D1 and D2 ({d_len} tokens each) did not "
+            f"prefill together in one step of {budget} tokens (within "
+            f"{DEFERRED_LOOKUP_STEPS} steps; get_num_new_matched_tokens answers: "
+            f"{d.matched.get(d1.request_id)}, {d.matched.get(d2.request_id)})")
+        long = rig.request(n, max_tokens=2 * b)
+        d.add(long)  # 2
+        rid = long.request_id
+        before: list[int] = []  # tokens computed the step before each preemption
+        tables: list[list[int]] = []  # L's table before its 1st preemption, after
+        off_boundary = 0
+        computed = 0
+        table: list[int] = []
+        for _ in range(d.max_steps):
+            if not sched.requests:
+                break
+            so = d.step()
+            if long.num_preemptions > len(before):
+                before.append(computed)
+                if len(tables) == 0:
+                    tables.append(table)
+            got = so.num_scheduled_tokens.get(rid, 0)
+            if got > 1 and long.num_computed_tokens % b:
+                off_boundary += 1
+            if rid in sched.requests and long.status.name == "RUNNING":
+                table = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+                if len(tables) == 1 and long.num_preemptions:
+                    tables.append(table)
+            computed = long.num_computed_tokens
+        d.run_until_idle()
+        moved = len(tables) == 2 and tables[0] != tables[1][:len(tables[0])]
+        if moved or attempt == PLAN_TRIES - 1:
             break
-    assert d1.num_output_tokens and d2.num_output_tokens, (
-        f"scenario did not happen: D1 and D2 ({d_len} tokens each) did not "
-        f"prefill together in one step of {budget} tokens (within "
-        f"{DEFERRED_LOOKUP_STEPS} steps; get_num_new_matched_tokens answers: "
-        f"{d.matched.get(d1.request_id)}, {d.matched.get(d2.request_id)})")
-    long = rig.request(n, max_tokens=2 * b)
-    d.add(long)  # 2
-    rid = long.request_id
-    before: list[int] = []  # tokens computed at the step before each preemption
-    tables: list[list[int]] = []  # L's table before its first preemption, after
-    off_boundary = 0
-    computed = 0
-    table: list[int] = []
-    for _ in range(d.max_steps):
-        if not sched.requests:
-            break
-        so = d.step()
-        if long.num_preemptions > len(before):
-            before.append(computed)
-            if len(tables) == 0:
-                tables.append(table)
-        got = so.num_scheduled_tokens.get(rid, 0)
-        if got > 1 and long.num_computed_tokens % b:
-            off_boundary += 1
-        if rid in sched.requests and long.status.name == "RUNNING":
-            table = list(sched.kv_cache_manager.get_block_ids(rid)[0])
-            if len(tables) == 1 and long.num_preemptions:
-                tables.append(table)
-        computed = long.num_computed_tokens
-    d.run_until_idle()
-    mid = [c for c in before if c < n]
+        close_rig(rig)
+    mid = [t for t in before if t < n]
     assert mid, (
         f"scenario did not happen: the {n}-token prompt was not preempted before "
         f"its prefill ended (preemptions after {before} computed tokens; pool "
@@ -777,9 +790,10 @@ def test_chunked_prefill_preempted_and_resumed(make_rig, contract_profile,
     assert off_boundary, (
         f"scenario did not happen: no prefill chunk of the {n}-token prompt ended "
         f"off a block boundary (budget {budget})")
-    assert len(tables) == 2 and tables[0] != tables[1][:len(tables[0])], (
+    assert moved, (
         "scenario did not happen: the prompt resumed on the block ids it had "
-        f"before its preemption ({tables}): nothing else took its freed blocks")
+        f"before its preemption ({tables}), at {first} to {n} tokens: nothing "
+        "else took its freed blocks")
     cold(rig)  # 3
     replay = replay_of(rig, long)
     rig.driver.run(replay)

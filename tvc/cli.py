@@ -135,9 +135,9 @@ def reports_dir(root: Path, env: dict[str, str]) -> Path:
     """
     if env.get("TVC_REPORTS_ROOT"):
         return Path(env["TVC_REPORTS_ROOT"]).expanduser().resolve()
-    here = Path.cwd().resolve()
-    inside = is_checkout(root) and here.is_relative_to(Path(root).resolve())
-    return (root if inside else here) / "reports"
+    from tvc.config.paths import reports_home
+
+    return reports_home(root if is_checkout(root) else None, Path.cwd())
 
 
 def tier_paths(root: Path) -> list[str]:

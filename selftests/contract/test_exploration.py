@@ -73,9 +73,12 @@ dir = "{scratch}"
 
 
 def run_exploration(cls: str, select: str, tmp_path: Path, *extra: str,
-                    devices: str = '["cpu"]', report: str = ""
+                    devices: str = '["cpu"]', report: str = "",
+                    tests: str = "suites/contract/test_exploration.py"
                     ) -> subprocess.CompletedProcess:
     """Run the exploration test for connector ``cls`` (families ``-k select``).
+
+    ``tests`` runs another test file of the tier on the same profile instead.
 
     ``devices`` is the profile's ``connector.worker_devices``; without ``cpu``
     the exploration runs vLLM's scheduler with the stand-in ``report``
@@ -90,7 +93,7 @@ def run_exploration(cls: str, select: str, tmp_path: Path, *extra: str,
     env["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "suites/contract/test_exploration.py",
+        [sys.executable, "-m", "pytest", tests,
          "-m", "contract", "-k", select, f"--tvc-profile={prof}",
          "--tvc-seed=1", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
          "-p", "no:logging", "-s", f"--tvc-report-dir={tmp_path / 'report'}",
@@ -262,18 +265,8 @@ def test_a_save_of_a_failed_loads_blocks_is_named(cls: str, red: bool,
     for the failed prompt again: a connector that saved the never-computed
     blocks of the failed load (from its own block table) serves the harness's
     failed-load mark, and the red names the save, not "nothing was loaded"."""
-    prof = tmp_path / f"explore-{cls}.toml"
-    prof.write_text(PROFILE.format(cls=cls, scratch=tmp_path / "scratch"))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TVC_PROFILE", "TVC_SEED", "PYTEST_ADDOPTS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "suites/contract/test_scenarios.py",
-         "-m", "contract", "-k", "store_fault and cpu and fail and not fail_save",
-         f"--tvc-profile={prof}", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-         f"--tvc-report-dir={tmp_path / 'report'}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_exploration(cls, "store_fault and cpu and fail and not fail_save",
+                           tmp_path, tests="suites/contract/test_scenarios.py")
     out = proc.stdout + proc.stderr
     if not red:
         assert proc.returncode == 0 and "2 passed" in out, out[-3000:]

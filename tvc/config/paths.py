@@ -70,10 +70,22 @@ def reports_root(invocation_dir: Path | None = None) -> Path:
     env = os.environ.get("TVC_REPORTS_ROOT")
     if env:
         return Path(env).expanduser().resolve()
-    base = (Path(invocation_dir) if invocation_dir else Path.cwd()).resolve()
-    if CHECKOUT is not None and base.is_relative_to(CHECKOUT.resolve()):
-        return CHECKOUT / "reports"
-    return base / "reports"
+    return reports_home(CHECKOUT, Path(invocation_dir) if invocation_dir
+                        else Path.cwd())
+
+
+def reports_home(checkout: Path | None, here: Path) -> Path:
+    """The default reports folder of a run started in folder ``here``.
+
+    Returns:
+        ``<checkout>/reports`` when ``here`` lies inside ``checkout``, else
+        ``<here>/reports``.
+
+    """
+    here = Path(here).resolve()
+    if checkout is not None and here.is_relative_to(Path(checkout).resolve()):
+        return Path(checkout) / "reports"
+    return here / "reports"
 
 
 def default_scratch(profile_name: str) -> Path:

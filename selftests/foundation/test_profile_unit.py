@@ -407,6 +407,19 @@ def test_extending_profile_must_name_itself_and_errors_name_the_right_file(
         load(str(child), env={})
 
 
+def test_every_unknown_key_is_named_in_one_message(tmp_path: Path) -> None:
+    """Three typos in two tables: one load names all three, before the allowed keys."""
+    child = tmp_path / "typos.toml"
+    child.write_text('[profile]\nname = "t"\nextends = "example"\n[connector]\n'
+                     'kv_rol = "x"\nmodul = "y"\n[e2e]\nmax_tokenz = 3\n')
+    with pytest.raises(ProfileError) as info:
+        load(str(child), env={})
+    message = str(info.value)
+    assert message.startswith(f"{child}: unknown keys connector.kv_rol, connector."
+                              "modul, e2e.max_tokenz (allowed: in connector: name, ")
+    assert "\n" not in message and message.count("typos.toml") == 1
+
+
 # ---------------------------------------------------------------------- kv_transfer
 
 

@@ -586,7 +586,7 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
         the model instance (None for a file of a chain).
 
     Raises:
-        ProfileError: the first problem, naming the file and the key.
+        ProfileError: its problems, each naming the file and the key.
 
     """
     try:
@@ -597,13 +597,52 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
             errors = [e for e in errors if e["type"] != "missing"]
             if not errors:
                 return None
-        loc = (*prefix, *errors[0]["loc"])
         full = {prefix[0]: data} if prefix else data
-        named = str(getattr((errors[0].get("ctx") or {}).get("error"), "key", ""))
+        raise ProfileError(_describe_all(errors, prefix, full, file_of)) from None
+
+
+MAX_PROBLEMS_NAMED = 5  # problems of one load named in its ProfileError line
+
+
+def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
+                  file_of: Any) -> str:
+    """Every problem of one validation (at most :data:`MAX_PROBLEMS_NAMED`), a line.
+
+    The unknown keys of a file are named together and before their allowed keys
+    (``p.toml: unknown keys connector.a, e2e.b (allowed in connector: ...; in
+    e2e: ...)``), so a profile with several typos is mended in one go, not one
+    load per typo, and the 400-character cut falls on the allowed lists.
+    """
+    parts: list[str] = []
+    unknown: dict[str, tuple[list[str], dict[str, str]]] = {}  # file -> keys, allowed
+    for error in errors:
+        loc = (*prefix, *error["loc"])
+        named = str(getattr((error.get("ctx") or {}).get("error"), "key", ""))
         locs = [loc] + ([tuple(re.sub(r"\[.*", "", part) for part in
                                named.split(".")[:2])] if named else [])
-        raise ProfileError(f"{file_of(*locs)}: {_describe(errors[0], loc, full)}"
-                           ) from None
+        file, text = str(file_of(*locs)), _describe(error, loc, full)
+        found = re.fullmatch(r"unknown key (\S+) \(allowed: (.*)\)", text)
+        if found:
+            if file not in unknown:
+                parts.append(file)
+            keys, allowed = unknown.setdefault(file, ([], {}))
+            keys.append(found[1])
+            allowed[found[1].rpartition(".")[0]] = found[2]
+        elif f"{file}: {text}" not in parts:
+            parts.append(f"{file}: {text}")
+    lines = []
+    for part in parts:
+        if part not in unknown:
+            lines.append(part)
+            continue
+        keys, allowed = unknown[part]
+        where = "; ".join(f"{'in ' + table + ': ' if len(allowed) > 1 else ''}{names}"
+                          for table, names in allowed.items())
+        lines.append(f"{part}: unknown key{'s' if len(keys) > 1 else ''} "
+                     f"{', '.join(keys)} (allowed: {where})")
+    more = len(lines) - MAX_PROBLEMS_NAMED
+    shown = lines[:MAX_PROBLEMS_NAMED] + ([f"and {more} more"] if more > 0 else [])
+    return "; also ".join(shown)
 
 
 def _blame(origin: Mapping[tuple[str, str], Path], chain: list[Path], top: Path,

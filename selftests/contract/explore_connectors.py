@@ -452,3 +452,21 @@ class BadSavesFailedLoadConnector(MemoryConnector):
         self._saves.append((request.request_id, todo,
                             tuple(request.prompt_token_ids or ())))
         return True, None
+
+
+class BadLandsAfterAbortConnector(AsyncMemoryConnector):
+    """Fault: names a receive in ``finished_recving`` one step after it queued the
+    copy, which lands one step later still (in the ``start_load_kv`` of the step
+    that schedules the request, before its forward: right for a request vLLM
+    goes on with). A request aborted while it waits for remote KV is freed at
+    that ``finished_recving``, and its late copy writes into free blocks."""
+
+    def _load(self, rid: str, pairs: list[tuple[int, Any]]) -> None:
+        self.__dict__.setdefault("_late", []).append((rid, pairs))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        due, self._due = self.__dict__.get("_due", []), self.__dict__.get("_late", [])
+        self._late = []
+        for rid, pairs in due:  # queued two calls ago
+            MemoryConnector._load(self, rid, pairs)
+        super().start_load_kv(forward_context, **kwargs)

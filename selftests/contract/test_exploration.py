@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,10 @@ BAD = {
     # tells them apart)
     "BadFreesBeforeSaveConnector": ("preemption", "saves hold computed KV",
                                     "request_finished (returned False"),
+    # reports the receive before its copy lands: harmless unless vLLM frees the
+    # blocks at that report (an abort while waiting for remote KV)
+    "BadLandsAfterAbortConnector": ("core", "no write into a free block",
+                                    "start_load_kv"),
 }
 
 PROFILE = """\
@@ -276,3 +281,22 @@ def test_a_save_of_a_failed_loads_blocks_is_named(cls: str, red: bool,
     assert ("the harness's mark of a block whose load failed under "
             'kv_load_failure_policy = "fail"') in out, out[-3000:]
     assert "nothing was loaded into them" not in out, out[-3000:]
+
+
+def test_a_load_landing_after_its_aborted_request_was_freed_is_named(
+        tmp_path: Path) -> None:
+    """Abort while waiting for remote KV: vLLM frees the blocks at the receive's
+    finished_recving; a copy landing after it is red as a write into a free
+    block, with the abort's cause and fix (not the preemption's). The correct
+    asynchronous shape passes this scenario in the panel (async-16)."""
+    proc = run_exploration("BadLandsAfterAbortConnector",
+                           "abort_leaves_nothing_behind and waiting and cpu",
+                           tmp_path, tests="suites/contract/test_scenarios.py")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed" in out, out[-3000:]
+    assert re.search(r"freed when request req-\d+ ended \(FINISHED_ABORTED\), "
+                     r"engine step \d+, was written in the worker step of engine "
+                     r"step \d+ while free", out), out[-3000:]
+    assert "(a load that landed after its request ended)" in out, out[-3000:]
+    assert "cancel the load in request_finished" in out, out[-3000:]
+    assert "preempt" not in out.split("while free", 1)[1].split("\n", 1)[0]

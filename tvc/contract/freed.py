@@ -71,6 +71,14 @@ RESUME_FIX = (
     "and recomputes from num_computed_tokens: drop the request's old block ids "
     "and finish or cancel its transfers in handle_preemptions")
 
+ENDED_FIX = (
+    "a load of a request vLLM ended (finished or aborted) must not write after "
+    "vLLM freed its blocks: vLLM keeps them while the request waits for remote "
+    "KV until the connector names it in finished_recving (Scheduler."
+    "finish_requests), or while request_finished returned True; otherwise it "
+    "frees them at once, so cancel the load in request_finished, or report it "
+    "finished only once its copy is done")
+
 
 def mark_meaning(value: float) -> str:
     """What a mark found in loaded KV says about the store entry it came from.
@@ -321,13 +329,20 @@ class FreedBlocks:
                 if b in seen:
                     continue
                 seen.add(b)
+                why = self.freed[b]
+                cause, fix = (
+                    ("a load into the block table of before the preemption",
+                     RESUME_FIX) if why.startswith("when vLLM preempted") else
+                    ("a load that landed after its request ended", ENDED_FIX)
+                    if why.startswith("when request") else
+                    ("a load into a block table vLLM no longer uses, or a load "
+                     "that landed after its request was freed",
+                     f"{RESUME_FIX}; {ENDED_FIX}"))
                 out.append(
-                    f"layer {name}: block {b}, freed {self.freed[b]}, was "
-                    f"written in {where} while free — {USED_AFTER_FREE}: the "
-                    "connector wrote into a block no request of this step owns "
-                    "(a load into a block table vLLM no longer uses, or a load "
-                    "that landed after its request was freed). A load must "
-                    "write only into the blocks vLLM gave the request for this "
-                    "step; " + RESUME_FIX)
+                    f"layer {name}: block {b}, freed {why}, was written in "
+                    f"{where} while free — {USED_AFTER_FREE}: the connector "
+                    f"wrote into a block no request of this step owns ({cause})."
+                    " A load must write only into the blocks vLLM gave the "
+                    f"request for this step; {fix}")
         self.uses += out
         return out

@@ -331,8 +331,8 @@ def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
         errs = list(w.load_errors)
         assert not errs, (
             f"{what}: loaded KV differs from what was stored for {len(errs)} "
-            f"request(s): {errs[0]}. Every request that loads must get exactly its "
-            "own KV")
+            f"request(s): {errs[0]}"
+            + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
     return n_loaded
 
 

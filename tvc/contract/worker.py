@@ -1211,7 +1211,9 @@ class ConnectorWorker:
             return now
         where = getattr(self, "where", None)
         head = f"{where()}, " if callable(where) else ""
-        return (f"{head}{bad[1]} when the forward read it; by the end of the step "
+        seen = bad[1].replace(": nothing was loaded into them)",
+                              ": the load had not landed yet)")
+        return (f"{head}{seen} when the forward read it; by the end of the step "
                 "the slots held the stored KV: the load landed after the forward "
                 "(the connector reported it done — finished_recving, or "
                 "start_load_kv / wait_for_layer_load returned — before its copy "

@@ -17,6 +17,7 @@ The Tutti entries are for the public connector (xPU-IO/Tutti
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -417,8 +418,17 @@ def _first_line(message: str) -> str:
 
 
 def _after_first_line(message: str) -> str:
-    """What follows the first non-empty line of a message (``""`` if nothing)."""
+    """What follows the first non-empty line of a message (``""`` if nothing).
+
+    After an assert's own message (``AssertionError: <text>``), pytest's
+    re-statement of the failed expression (``assert not [...]``, cut with
+    "...", and its ``where`` lines) is left out: the text already says it.
+    """
     lines = [ln for ln in str(message).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("AssertionError: ") and not lines[0].startswith(
+            "AssertionError: assert "):
+        lines = list(itertools.takewhile(lambda ln: not ln.startswith("assert "),
+                                         lines))
     return "\n".join(lines[1:])
 
 

@@ -387,6 +387,12 @@ def test_ctrl_c_leaves_an_interrupted_run_folder(tmp_path: Path, mode: str) -> N
     assert ET.parse(report / "junit.xml").getroot() is not None
     assert "Traceback" not in out, out[-3000:]
     assert len(out.splitlines()) < 40, out  # no 70-line KeyboardInterrupt dump
+    # a test a worker was running is interrupted, not "worker 'gw0' crashed"
+    page = (report / "summary.md").read_text()
+    assert "crashed" not in page and "What failed" not in page, page
+    started = [t for t in summary["tests"] if t["message"].startswith("running")]
+    assert started and all(t["outcome"] == "not_run" and "interrupted" in t["message"]
+                           for t in started), summary["tests"]
 
 
 ORPHAN_BOUND_S = 15.0  # the watcher's poll (0.5 s) and kill grace (1.5 s), with

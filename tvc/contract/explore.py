@@ -1338,6 +1338,8 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
       that holds no block, in the family's small pool (:func:`_stranded_load`),
       and two decoders ahead of a long prefill (:meth:`Explorer.crowd`): the
       prefill is preempted midway and resumed on other blocks;
+    * family ``one_token``: a one-token prompt after a stored prompt shorter
+      than a block that it starts (:func:`_one_token_prompt`);
     * family ``core``: the whole-prompt hit, where vLLM must still compute the
       last token: a prompt of two whole chunks (``k * chunk`` tokens, whole
       blocks) is stored and replayed exactly, so a lookup may match at most
@@ -1357,6 +1359,8 @@ def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> in
     fixed: list[Callable[[Explorer], None]] = []
     if family.name == "core":
         fixed += [_whole_prompt_hit, _extended_replay]
+    if family.one_token:
+        fixed += [_one_token_prompt]
     if family.preemption:
         fixed += [_stranded_load, _preempted_prefill]
     for seq in fixed:
@@ -1404,6 +1408,19 @@ def _extended_replay(ex: Explorer) -> None:
     """
     ex.warm([(1, 2)])
     ex.add(0, ex.chunk, replay_of=0, max_tokens=2)
+    ex.finish()
+
+
+def _one_token_prompt(ex: Explorer) -> None:
+    """A stored prompt shorter than a block, then a one-token prompt it starts.
+
+    Nothing of a one-token prompt can be loaded (vLLM computes at least its
+    last token): a lookup must match 0 tokens. ExampleConnector keys both
+    prompts by their first ``align(len - 1)`` tokens, none, and answers
+    ``align(0) = -B`` (a drawn sequence meets this only on some seeds).
+    """
+    ex.warm([(0, BLOCK_SIZE // 2)])
+    ex.add(0, 1, prefix_of=0, max_tokens=2)
     ex.finish()
 
 

@@ -36,6 +36,12 @@ from typing import Any
 
 import pytest
 
+# One CPU thread per process for torch (OpenMP) here and in every suite run a
+# self-test starts: under `-n 2` on 2 cores, each process's own pool of one
+# thread per core spins against the other's (a panel member's tier: 183 s of CPU
+# with an inner `-n 2`, 55 s serial with one thread, same tests and results)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The signal self-tests send SIGINT/SIGHUP to suite runs they start: a run
 # launched in the background of a non-interactive shell (or under nohup) inherits
 # both as ignored, and so would every run it starts. Give them their default

@@ -170,8 +170,9 @@ def run_contract(tmp_path: Path, name: str, cls: str, chunk: int, *,
         # the exploration runs its fixed sequences and 3 drawn ones per family
         # (a new seed each run): test_exploration_seeds explores every member
         # over fixed seeds besides
-        args = ["suites/contract", "-m", "contract", "-n", "2", "--tvc-depth=quick",
-                "--tvc-explore-examples=3"]
+        # (serial: the self-tests run side by side already, see conftest.py)
+        args = ["suites/contract", "-m", "contract", "-p", "no:xdist",
+                "--tvc-depth=quick", "--tvc-explore-examples=3"]
     return run_suite([*args, f"--tvc-profile={prof}"],
                      tmp_path / "report", env=env, timeout_s=900)
 
@@ -490,7 +491,7 @@ def test_a_threshold_rule_gets_prompts_it_stores_and_no_false_red(
     run = run_contract(tmp_path, "threshold-300", "ThresholdPanelConnector", 16,
                        rule=THRESHOLD_RULE, extra=", min_store_tokens = 300",
                        select=[*(f"suites/contract/{f}" for f in THRESHOLD_TESTS),
-                               "-m", "contract", "-n", "2", "--tvc-depth=quick",
+                               "-m", "contract", "-p", "no:xdist", "--tvc-depth=quick",
                                "--tvc-explore-examples=3", "-k",
                                "cpu or exploration and core"])
     red = reds(run)

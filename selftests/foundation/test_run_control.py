@@ -488,3 +488,36 @@ def test_an_xdist_run_without_a_signal_prints_no_sigint_line(
     assert sorted(workers) == ["gw0", "gw1"], workers  # both cleaned up
     if cleanup_s > EXECNET_GRACE_S:  # the premise: execnet's SIGINT did arrive
         assert set(workers.values()) == {"1"}, workers
+
+
+THREAD_TESTS = {"test_threads.py": """
+    import os
+
+    import pytest
+
+    pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
+
+    @pytest.mark.parametrize("i", range(2))
+    def test_threads(i, record_property):
+        import torch
+
+        record_property("threads", torch.get_num_threads())
+        record_property("omp", os.environ.get("OMP_NUM_THREADS"))
+    """}
+
+
+@needs_xdist
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_xdist_workers_share_the_cpus_for_torch(tmp_path: Path,
+                                                omp: str | None) -> None:
+    """Under ``-n 2`` each worker's torch pool gets half the CPUs (two full pools
+    spun against each other on 2 cores: 245 s against 86 s for the example
+    profile's CPU tiers); the environment is left as it is for the processes
+    a worker starts, and a user's OMP_NUM_THREADS wins."""
+    run = run_suite([*write_tests(tmp_path / "t", THREAD_TESTS), "-n", "2"],
+                    tmp_path / "r", env={"OMP_NUM_THREADS": omp})
+    assert run.rc == 0 and run.summary is not None, run.tail()
+    got = {(t["properties"]["threads"], t["properties"]["omp"])
+           for t in run.summary["tests"]}
+    want = int(omp) if omp else max(1, (os.cpu_count() or 1) // 2)
+    assert got == {(want, omp)}, got

@@ -40,6 +40,11 @@ def test_an_outer_timer_due_first_keeps_its_deadline_and_is_restored() -> None:
         with pytest.raises(Stuck, match=r"outer=True"):  # due before 5 s
             with deadline(5, _describe):
                 _spin()
+        # the outer timer, due by now, fires at once after the block (it was
+        # re-armed to 1 ms: under load that ran before the next line did)
+        time.sleep(0.05)
+        assert fired == [1], fired
+        fired.clear()
         # an outer timer not yet due is re-armed with what it has left
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         with deadline(5, _describe):

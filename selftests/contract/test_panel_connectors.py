@@ -455,6 +455,7 @@ def test_a_load_that_lands_after_the_forward_is_named_so(tmp_path: Path) -> None
     assert "when the forward read it" in msg and "landed after the forward" in msg
     # what the forward saw, without contradicting the cause ("nothing was loaded")
     assert "the load had not landed yet" in msg and "nothing was loaded" not in msg
+    assert "never written" not in msg, msg  # not also called a short load
 
 
 def test_a_receive_reported_twice_is_named_with_its_cause(tmp_path: Path) -> None:

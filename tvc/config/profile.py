@@ -630,19 +630,27 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
             allowed[found[1].rpartition(".")[0]] = found[2]
         elif f"{file}: {text}" not in parts:
             parts.append(f"{file}: {text}")
-    lines = []
+    # unknown keys last: their allowed lists are long, the cut falls there
+    lines = [part for part in parts if part not in unknown]
     for part in parts:
         if part not in unknown:
-            lines.append(part)
             continue
         keys, allowed = unknown[part]
         where = "; ".join(f"{'in ' + table + ': ' if len(allowed) > 1 else ''}{names}"
                           for table, names in allowed.items())
         lines.append(f"{part}: unknown key{'s' if len(keys) > 1 else ''} "
                      f"{', '.join(keys)} (allowed: {where})")
+    # the file once: "p.toml: 8 problems: key a: ...; key b: ..." (a 400-
+    # character line holds more of them)
+    files = {line.split(": ", 1)[0] for line in lines}
+    if len(files) == 1 and len(lines) > 1:
+        head = f"{files.pop()}: {len(lines)} problems: "
+        lines = [line.split(": ", 1)[1] for line in lines]
+    else:
+        head = ""
     more = len(lines) - MAX_PROBLEMS_NAMED
     shown = lines[:MAX_PROBLEMS_NAMED] + ([f"and {more} more"] if more > 0 else [])
-    return "; also ".join(shown)
+    return head + "; ".join(shown)
 
 
 def _blame(origin: Mapping[tuple[str, str], Path], chain: list[Path], top: Path,

@@ -1272,8 +1272,11 @@ class ConnectorWorker:
             what = self._mismatch_text(rid, start, bad) if bad is not None else ""
             if first_rep is None:
                 if bad is not None:
-                    self.load_errors.append(f"request {rid}: {what}"
-                                            + short_load(bad, start))
+                    # a load that landed late is no short load (the slots
+                    # held the stored KV by the end of the step)
+                    late = "landed after the forward" in what
+                    self.load_errors.append(f"request {rid}: {what}" + (
+                        "" if late else short_load(bad, start)))
                     failed.add(rid)
                 continue
             failed.add(rid)

@@ -191,7 +191,7 @@ def test_exploration_flags_the_stand_in_worker(devices, worker, tmp_path) -> Non
     assert proc.returncode in (0, 1), (proc.stdout + proc.stderr)[-3000:]
 
 
-def test_issue_34_seed_replay_stays_green() -> None:
+def test_cpu_offload_seed_1975927298_replay_stays_green() -> None:
     """The replay of the red of ``--tvc-seed 1975927298`` (cpu-offload, vLLM 0.28.0).
 
     req-18's load ended (``finished_recving``) the step after its admission,
@@ -202,7 +202,7 @@ def test_issue_34_seed_replay_stays_green() -> None:
     premise — a request that waited more than the budget after its receive
     ended — is asserted where vLLM's scheduler does that (0.26 / 0.28).
     """
-    script = HERE / "replays" / "issue34_seed_1975927298.py"
+    script = HERE / "replays" / "cpu_offload_seed_1975927298.py"
     res = _replay(script)
     assert res["outcome"] == "green", res
     from tvc.contract.explore import MAX_LOAD_STEPS

@@ -620,15 +620,17 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
         named = str(getattr((error.get("ctx") or {}).get("error"), "key", ""))
         locs = [loc] + ([tuple(re.sub(r"\[.*", "", part) for part in
                                named.split(".")[:2])] if named else [])
-        file, text = str(file_of(*locs)), _describe(error, loc, full)
-        found = re.fullmatch(r"unknown key (\S+) \(allowed: (.*)\)", text)
-        if found:
+        file = str(file_of(*locs))
+        table, _f, _i, _v, model, depth = _walk(loc, full)
+        if error["type"] == "extra_forbidden" and table:  # an unknown key of a table
             if file not in unknown:
                 parts.append(file)
             keys, allowed = unknown.setdefault(file, ([], {}))
-            keys.append(found[1])
-            allowed[found[1].rpartition(".")[0]] = found[2]
-        elif f"{file}: {text}" not in parts:
+            keys.append(f"{table}.{key_name(str(loc[depth]))}")
+            allowed[table] = ", ".join(model.model_fields if model else ())
+            continue
+        text = _describe(error, loc, full)
+        if f"{file}: {text}" not in parts:
             parts.append(f"{file}: {text}")
     # unknown keys last: their allowed lists are long, the cut falls there
     lines = [part for part in parts if part not in unknown]

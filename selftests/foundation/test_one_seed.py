@@ -67,3 +67,35 @@ def test_the_same_seed_gives_the_same_token_ids() -> None:
         assert prompt_tokens(64, 3) == first != other
     finally:
         run_seed.set_run_seed(old)
+
+
+HASHES = """
+from tvc.contract.builders import make_request
+from tvc.core.seed import set_run_seed
+set_run_seed(11)
+r = make_request(num_tokens=48, block_size=16, seed=7)
+print(" ".join(bytes(h).hex() for h in r.block_hashes))
+"""
+
+
+def test_block_hashes_are_the_same_in_every_process() -> None:
+    """The same prompt has the same block hashes in two processes.
+
+    A connector that keys its store by block hash then names its entries the
+    same in a replay (vLLM 0.26/0.28 draw ``NONE_HASH`` at random; the harness
+    uses 0.33's fixed default), and PYTHONHASHSEED still wins when set.
+    """
+    pytest.importorskip("vllm")
+    import os
+    import subprocess
+    import sys
+
+    def hashes(**env: str) -> list[str]:
+        clean = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        out = subprocess.run([sys.executable, "-c", HASHES], check=True,
+                             capture_output=True, text=True, env={**clean, **env})
+        return out.stdout.splitlines()[-1].split()  # vLLM logs to stdout first
+
+    first, second = hashes(), hashes()
+    assert len(first) == 3 and first == second, (first, second)
+    assert hashes(PYTHONHASHSEED="5") == hashes(PYTHONHASHSEED="5") != first

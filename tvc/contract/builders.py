@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,23 @@ def give_encoder_budget(scheduler: Any, tokens: int) -> None:
 
 _REQ_COUNTER = itertools.count(1)
 _NONE_HASH_READY = False
+#: The seed of the first block's parent hash when PYTHONHASHSEED is unset: vLLM
+#: 0.33's ``kv_cache_utils.DEFAULT_NONE_HASH_SEED`` for sha256. vLLM 0.26/0.28
+#: draw random bytes instead, so a connector keyed by block hashes named its
+#: entries differently in every process and a seeded run did not repeat.
+NONE_HASH_SEED = "vllm-none-hash"
+
+
+def _init_none_hash(sha256: Any) -> None:
+    """Run ``init_none_hash(sha256)`` with vLLM 0.33's reproducible default seed.
+
+    PYTHONHASHSEED, when set, wins as in every vLLM release.
+    """
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    kcu.init_none_hash(sha256)
+    if os.getenv("PYTHONHASHSEED") is None:
+        kcu.NONE_HASH = sha256(NONE_HASH_SEED)  # BlockHash is NewType(bytes)
 
 
 def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
@@ -395,11 +413,11 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
     global _NONE_HASH_READY
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name, sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
     if not _NONE_HASH_READY:
-        init_none_hash(sha256)
+        _init_none_hash(sha256)
         _NONE_HASH_READY = True
     n = next(_REQ_COUNTER)
     seed = n + 100_000 if seed is None else seed

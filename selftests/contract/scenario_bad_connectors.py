@@ -118,6 +118,25 @@ class DropsAllButFirstLoadConnector(ExampleConnector):
         super().start_load_kv(forward_context, **kwargs)
 
 
+class LoadsOneBlockShortConnector(ExampleConnector):
+    """Fault: leaves the last block of every load unwritten (one block short).
+
+    The block keeps what its slots held before the load: the KV tensors of every
+    release here index blocks in their first dimension.
+    """
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        last = {int(r.slot_mapping[-1]) // self._block_size
+                for r in meta.requests if not r.is_store and len(r.slot_mapping)}
+        kvs = [kv for layer in forward_context.no_compile_layers.values()
+               if (kv := getattr(layer, "kv_cache", None)) is not None]
+        kept = [(kv, b, kv[b].clone()) for kv in kvs for b in last]
+        super().start_load_kv(forward_context, **kwargs)
+        for kv, b, before in kept:
+            kv[b] = before
+
+
 class RaisesOnMissingFileConnector(ExampleConnector):
     """Fault (ExampleConnector's own, vLLM 0.28): a stored file gone between the
     lookup and the load raises FileNotFoundError out of ``start_load_kv`` instead

@@ -30,6 +30,8 @@ CASES = {
     "ShiftsByLocalModChunkConnector": (
         S1, "sits 16 tokens from its slots (num_computed_tokens mod chunk = 16)",
         'granularity = "2 * B"'),
+    # not shifted: the red must not say "not at the right slots"
+    "LoadsOneBlockShortConnector": (S1, "is wrong: ", 'granularity = "2 * B"'),
     "DropsAllButFirstLoadConnector": (
         "test_shared_prefixes and one_step and cpu",
         "nothing was loaded into them", ""),

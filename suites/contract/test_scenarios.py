@@ -103,12 +103,14 @@ def test_local_prefix_cache_hit_then_external_hit(make_rig, contract_profile,
         msg = w.verify_range(rid, local, end)
         if msg:
             d = w.find_shift(rid, local, end, c)
-            shift = (f"; the loaded KV sits {d} tokens from its slots "
-                     f"(num_computed_tokens mod chunk = {local % c})"
-                     if d is not None else "")
+            if d is None:  # not shifted: missing or wrong, as msg says
+                raise AssertionError(
+                    f"local + external: the KV loaded for tokens [{local}, {end}) "
+                    f"is wrong: {msg}")
             raise AssertionError(
                 f"local + external: loaded KV of tokens [{local}, {end}) is not at "
-                f"the right slots: {msg}{shift}")
+                f"the right slots: {msg}; the loaded KV sits {d} tokens from its "
+                f"slots (num_computed_tokens mod chunk = {local % c})")
         check_every_load(rig, [replay], "local + external")
         assert_untouched_outside(w, snap, w.block_table[rid], "local + external")  # type: ignore[arg-type]
     finish(rig)

@@ -241,6 +241,7 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         r"|the connector loaded after vLLM's local hit of \d+ tokens is wrong"
         r"|the KV loaded while several requests load at once is wrong"
         r"|loaded KV of tokens \[\d+, \d+\) is not at the right slots"
+        r"|the KV loaded for tokens \[\d+, \d+\) is wrong"
         r"|differ between baseline \(no connector\) and pass 2 \(load failed, "
         r"recomputed\)"
         # its writes land at the wrong offsets of the packed tensor, blocks

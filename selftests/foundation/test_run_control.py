@@ -215,6 +215,45 @@ def test_a_test_restarting_its_server_gets_a_third_lane_with_six_workers(
     assert "in 3 GPU lane(s)" in run.stdout
 
 
+PLAIN_FIRST = {"test_a_plain.py": """
+    import os
+    import time
+
+    import pytest
+
+    pytestmark = [pytest.mark.hw_any, pytest.mark.contract]
+
+    @pytest.mark.parametrize("i", range(24))
+    def test_plain(i, record_property):
+        record_property("worker", os.environ.get("PYTEST_XDIST_WORKER", ""))
+        time.sleep(0.05)
+    """, **LANE_C_TESTS}
+
+
+@needs_xdist
+def test_the_restart_chain_starts_before_the_tests_collected_ahead_of_it(
+        tmp_path: Path) -> None:
+    """Lane C's test is its worker's first, though 24 plain tests (each a scope
+    of its own, as large as lane C's) are collected before it."""
+    files = {k: v.replace('record_property("worker", os.environ.get('
+                          '"PYTEST_XDIST_WORKER", ""))',
+                          'record_property("worker", os.environ.get('
+                          '"PYTEST_XDIST_WORKER", "")); '
+                          'record_property("t", __import__("time").time())')
+             for k, v in PLAIN_FIRST.items()}
+    run = run_suite([*write_tests(tmp_path / "t", files), "-n", "6"],
+                    tmp_path / "r")
+    assert run.rc == 0, run.tail()
+    by_name = {t["nodeid"].split("::")[-1]: t["properties"]
+               for t in run.summary["tests"]}
+    restart = by_name["test_restart"]
+    before = [p["t"] for n, p in by_name.items() if n.startswith("test_plain")
+              and p["worker"] == restart["worker"] and p["t"] < restart["t"]]
+    assert not before, (
+        f"{len(before)} plain test(s) ran on {restart['worker']} before the "
+        "restart chain")
+
+
 def test_owner_detection_by_fixture_and_tier() -> None:
     class Item:
         def __init__(self, fixtures: tuple[str, ...], marks: tuple[str, ...]) -> None:

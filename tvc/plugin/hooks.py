@@ -889,6 +889,7 @@ def pytest_collection_modifyitems(config: pytest.Config,
     lanes = run_control.gpu_lanes(config)
     if config.pluginmanager.hasplugin("xdist"):
         run_control.group_gpu_owners(items, lanes)
+        run_control.chains_first(items, lanes)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and run_control.OWNERS_DIR_KEY in workerinput:
         folder = Path(workerinput[run_control.OWNERS_DIR_KEY])

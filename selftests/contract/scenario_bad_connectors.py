@@ -137,6 +137,32 @@ class LoadsOneBlockShortConnector(ExampleConnector):
             kv[b] = before
 
 
+class LoadsIntoOtherBlocksConnector(ExampleConnector):
+    """Fault: a load lands, scrambled, one load-length further into the pool.
+
+    Its slots move by as many blocks as the load spans (wrapping around the
+    pool) and the bytes are negated: the request's own blocks keep the poison
+    and other blocks change, as a layout or stride mistake leaves them (LMCache
+    on vLLM 0.26's packed K/V layout).
+    """
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        kvs = [kv for layer in forward_context.no_compile_layers.values()
+               if (kv := getattr(layer, "kv_cache", None)) is not None]
+        pool = kvs[0].shape[0] * self._block_size
+        moved: set[int] = set()
+        for r in meta.requests:
+            if not r.is_store and len(r.slot_mapping):
+                span = -(-len(r.slot_mapping) // self._block_size) * self._block_size
+                r.slot_mapping = (r.slot_mapping + span) % pool
+                moved |= {int(s) // self._block_size for s in r.slot_mapping}
+        super().start_load_kv(forward_context, **kwargs)
+        for kv in kvs:
+            for b in moved:
+                kv[b] = -kv[b]
+
+
 class RaisesOnMissingFileConnector(ExampleConnector):
     """Fault (ExampleConnector's own, vLLM 0.28): a stored file gone between the
     lookup and the load raises FileNotFoundError out of ``start_load_kv`` instead

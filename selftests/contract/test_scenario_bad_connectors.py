@@ -104,6 +104,20 @@ def test_scenario_catches_known_bad_connector(cls, tmp_path) -> None:
         f"Output tail:\n{out[-3000:]}")
 
 
+@pytest.mark.parametrize(("cls", "elsewhere"), [
+    ("LoadsIntoOtherBlocksConnector", True), ("LoadsOneBlockShortConnector", False)])
+def test_a_load_that_landed_elsewhere_is_told_from_one_that_never_ran(
+        cls: str, elsewhere: bool, tmp_path: Path) -> None:
+    """Both leave the request's slots poisoned; only the one whose bytes went to
+    blocks no request holds is told so (LMCache on vLLM 0.26's packed layout:
+    the contract tier said only "nothing was loaded", the e2e tier wrong KV)."""
+    proc = _run(cls, S1, "", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "nothing was loaded into them" in out, out[-3000:]
+    said = "that no request holds were written" in out
+    assert said == elsewhere, out[-3000:]
+
+
 def test_control_connector_passes_the_preemption_scenario(tmp_path) -> None:
     proc = _run("ClampedExampleConnector", "test_preemption_and_resume and cpu",
                 "", tmp_path)

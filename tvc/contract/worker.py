@@ -496,6 +496,8 @@ class ConnectorWorker:
         self._poison_due: list[tuple[list[int], int, int]] = []
         self._searches = 0  # _other_requests_kv calls so far
         self._steps = 0
+        # one block table per request only where the config has one KV group
+        self._one_group = len(kv_cache_config.kv_cache_groups) == 1
 
     def _layout_choice(self, runner: tuple[str, str], cross: Any) -> Any:
         """The :class:`tvc.contract.layout.KVLayoutChoice` just registered."""
@@ -682,8 +684,8 @@ class ConnectorWorker:
                 rest = got[~per_tok] if kv.dim() == 4 else got[:, ~per_tok]
                 zero = not bool(rest.ne(0).any())
                 poisoned = not bool(rest.ne(POISON).any())
-                marked = "" if zero or poisoned else self._other_requests_kv(
-                    req_id, name, i, start + bad)
+                marked = self._written_outside(name) if zero or poisoned else \
+                    self._other_requests_kv(req_id, name, i, start + bad)
                 for mark in (UNWRITTEN, FAILED_LOAD):
                     if not marked and holds(rest, mark):
                         marked = mark_meaning(mark)
@@ -700,6 +702,45 @@ class ConnectorWorker:
                             "nothing was loaded into them)" if poisoned else ")")
                          + marked)
         return worst
+
+    def _written_outside(self, name: str) -> str:
+        """Blocks written that vLLM never gave anyone: where a missing load went.
+
+        A block in no request's table, not free with its KV kept
+        (:class:`tvc.contract.freed.FreedBlocks`), not a queued asynchronous
+        load's and not the null block 0 was never handed out, so it still holds
+        the zeros it was allocated with, unless a connector wrote into it.
+        Needs vLLM's frees watched and one KV cache group (one block table per
+        request); otherwise nothing is claimed.
+
+        Returns:
+            "; meanwhile N block(s) no request holds were written (X, Y, ...):
+            the load went to other blocks than the request's", or "".
+
+        """
+        import torch
+
+        if self.freed is None or not self._one_group:
+            return ""
+        held = {0, *self.freed.freed}
+        held.update(b for t in self.block_table.values() for b in t)
+        held.update(b for t, _ in self._async_tables.values() for b in t)
+        held.update(b for t, _, _ in self._poison_due for b in t)
+        kv = self.kv_caches[name]
+        dim = 0 if kv.dim() == 4 else 1
+        rest = [b for b in range(kv.shape[dim]) if b not in held]
+        if not rest:
+            return ""
+        rows = kv.index_select(dim, torch.tensor(rest, device=kv.device))
+        nz = rows.movedim(dim, 0).contiguous().view(torch.uint8).reshape(
+            len(rest), -1).ne(0).any(dim=1)  # bytes: fp8 has no ne()
+        hit = [rest[j] for j in nz.nonzero().flatten().tolist()]
+        if not hit:
+            return ""
+        shown = ", ".join(map(str, hit[:8])) + (", ..." if len(hit) > 8 else "")
+        return (f"; meanwhile {len(hit)} block(s) of layer {name} that no request "
+                f"holds were written ({shown}): the load went to other blocks "
+                "than the request's (a wrong block id, stride or KV layout)")
 
     def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
         """Whose KV the block of ``pos`` holds: another layer's, another block's.

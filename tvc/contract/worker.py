@@ -713,9 +713,13 @@ class ConnectorWorker:
         Needs vLLM's frees watched and one KV cache group (one block table per
         request); otherwise nothing is claimed.
 
+        Writes into blocks vLLM had free (:attr:`freed_uses`) are named too.
+
         Returns:
-            "; meanwhile N block(s) no request holds were written (X, Y, ...):
-            the load went to other blocks than the request's", or "".
+            "; meanwhile N block(s) of layer L that no request holds were
+            written (X, Y, ...) [and M block(s) were written while vLLM had them
+            free (first: ...)]: the load went to other blocks than the
+            request's ...", or "".
 
         """
         import torch
@@ -735,12 +739,17 @@ class ConnectorWorker:
         nz = rows.movedim(dim, 0).contiguous().view(torch.uint8).reshape(
             len(rest), -1).ne(0).any(dim=1)  # bytes: fp8 has no ne()
         hit = [rest[j] for j in nz.nonzero().flatten().tolist()]
-        if not hit:
+        uses = self.freed.uses
+        if not hit and not uses:
             return ""
         shown = ", ".join(map(str, hit[:8])) + (", ..." if len(hit) > 8 else "")
-        return (f"; meanwhile {len(hit)} block(s) of layer {name} that no request "
-                f"holds were written ({shown}): the load went to other blocks "
-                "than the request's (a wrong block id, stride or KV layout)")
+        where = " and ".join(w for w in (
+            f"{len(hit)} block(s) of layer {name} that no request holds were "
+            f"written ({shown})" if hit else "",
+            f"{len(uses)} block(s) were written while vLLM had them free "
+            f"(first: {uses[0]})" if uses else "") if w)
+        return (f"; meanwhile {where}: the load went to other blocks than the "
+                "request's (a wrong block id, stride or KV layout)")
 
     def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
         """Whose KV the block of ``pos`` holds: another layer's, another block's.

@@ -63,6 +63,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -442,6 +443,79 @@ class AsyncPanelConnector(FileChunkConnector):
     """Asynchronous loads that complete in the admission step."""
 
     LOAD_ASYNC = True
+
+
+class ThreadedAsyncPanelConnector(FileChunkConnector):
+    """Asynchronous loads copied by a background thread after ``LOAD_DELAY_S``.
+
+    A transfer that takes wall time (a disk or a network), not engine steps:
+    ``finished_recving`` names a request only once its thread has copied it, and
+    the engine may step any number of times meanwhile (vLLM sets no bound:
+    ``Scheduler._try_promote_blocked_waiting_request`` waits for the name).
+    """
+
+    LOAD_ASYNC = True
+    LOAD_DELAY_S = 0.1
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Hand this step's loads to a thread; it reports them when copied."""
+        import threading
+
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PanelMetadata)
+        if not meta.loads:
+            return
+        if not hasattr(self, "_lock"):
+            self._lock = threading.Lock()
+            self._threads: list[threading.Thread] = []
+        jobs = list(meta.loads)
+
+        def copy() -> None:
+            time.sleep(self.LOAD_DELAY_S)
+            failed: set[str] = set()
+            invalid: set[int] = set()
+            for job in jobs:
+                if job.req_id in failed:
+                    invalid.update(job.block_ids[job.first:])
+                    continue
+                bad = self._load(job)
+                if bad is not None:
+                    self._path(job.key, self.rank).unlink(missing_ok=True)
+                    failed.add(job.req_id)
+                    invalid.update(job.block_ids[bad:])
+            with self._lock:
+                self._invalid |= invalid
+                self._failed_reqs |= failed
+                self._recv_done |= {j.req_id for j in jobs}
+
+        t = threading.Thread(target=copy, name="panel-load", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Receives the thread has copied (under its lock)."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return super().get_finished(finished_req_ids)
+        with lock:
+            return super().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (under the lock)."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return super().get_block_ids_with_load_errors()
+        with lock:
+            return super().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Wait for the copies in flight."""
+        for t in getattr(self, "_threads", ()):
+            t.join(timeout=5)
+        down = getattr(super(), "shutdown", None)
+        if down is not None:
+            down()
 
 
 class DelayedFreePanelConnector(FileChunkConnector):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import linecache
 import re
+import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -363,6 +364,10 @@ class EngineDriver:
     metas: list[Any] = field(default_factory=list)
     worker_metas: list[Any] = field(default_factory=list)
     max_steps: int = 200
+    #: seconds without progress :meth:`step_until_idle` also waits before it
+    #: calls the engine stalled (a receive on a background thread takes wall
+    #: time; the explorer's :data:`tvc.contract.explore.MAX_LOAD_WAIT_S`)
+    min_stall_s: float = 3.0
     before_worker: Any = None
     num_steps: int = 0
     match_steps: dict[str, list[int]] = field(default_factory=dict)
@@ -664,8 +669,10 @@ class EngineDriver:
 
         A long workload is not a stall: the limit counts the steps in a row in
         which no request computed a token or generated one and none left
-        (``max_steps``), with a hard cap of ``20 * max_steps`` steps in all
-        (a preemption loop that recomputes forever).
+        (``max_steps``) and then also waits :attr:`min_stall_s` seconds from the
+        last progress (a receive ending on a background thread), with a hard cap
+        of ``20 * max_steps`` steps in all (a preemption loop that recomputes
+        forever).
 
         Args:
             step: the step function (default :meth:`step`).
@@ -677,14 +684,22 @@ class EngineDriver:
         step = step or self.step
         still = total = 0
         last: object = None
+        since = time.monotonic()
         while self.scheduler.requests:
-            if still >= self.max_steps or total >= 20 * self.max_steps:
+            if total >= 20 * self.max_steps:
                 return False
+            if still >= self.max_steps:
+                if time.monotonic() - since >= self.min_stall_s:
+                    return False
+                time.sleep(0.005)  # a transfer in flight: give it wall time
             step()
             total += 1
             now = sorted((rid, q.num_computed_tokens, q.num_output_tokens)
                          for rid, q in self.scheduler.requests.items())
-            still = still + 1 if now == last else 0
+            if now != last:
+                still, since = 0, time.monotonic()
+            else:
+                still += 1
             last = now
         return True
 

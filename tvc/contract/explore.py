@@ -74,6 +74,14 @@ PREFILL_BUDGET = 2 * BLOCK_SIZE + 8
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
+# wall time (seconds) a load may also stay in flight before it is called one
+# that never finishes: a copy on a background thread (a disk, a network) takes
+# time, not engine steps, and the rig runs a step in about a millisecond; vLLM
+# sets no bound (Scheduler._try_promote_blocked_waiting_request waits for the
+# request in finished_recving). Past MAX_LOAD_STEPS each check sleeps
+# LOAD_WAIT_POLL_S, so such a load gets the time without thousands of steps.
+MAX_LOAD_WAIT_S = 3.0
+LOAD_WAIT_POLL_S = 0.005
 # sequences per family at the default depth (about 10 s per family on 2 CPUs)
 DEFAULT_EXAMPLES = DEPTHS[DEFAULT_DEPTH].explore_examples
 STEPS_PER_EXAMPLE = 20  # hypothesis stateful_step_count
@@ -350,6 +358,7 @@ class Explorer:
         #: request id -> engine steps in which blocks of it were reported failed
         self.fail_cycles: dict[str, int] = {}
         self.wait_steps: dict[str, int] = {}
+        self.wait_since: dict[str, float] = {}  # first wait step's monotonic time
         #: request id -> consecutive steps it has waited since its receive ended
         self.resume_wait: dict[str, int] = {}
         #: consecutive steps that scheduled nothing while such a request waited
@@ -377,6 +386,9 @@ class Explorer:
         if self.ktc is not None:
             kw["kv_transfer_config"] = self.ktc
         self.rig = self.make_rig(**kw)
+        # the drain's stall limit outlasts the per-request one, which names why
+        # a load never finishes (a failed entry matched again, get_finished)
+        self.rig.driver.min_stall_s = MAX_LOAD_WAIT_S + 2.0
         self._async_seen = 0
         self._note_standin()
         _hold_distributed()
@@ -1084,6 +1096,7 @@ class Explorer:
         history = self.rig.driver.history
         idle = not (history and history[-1].scheduled)
         ended = []
+        poll = False
         for rid, r in self.reqs.items():
             if r.status.name == "FINISHED_ERROR" and rid not in self.reported:
                 self.fail("failed load reported, only that request failed",
@@ -1104,7 +1117,12 @@ class Explorer:
                 ended.append(rid)
             elif r.status.name == "WAITING_FOR_REMOTE_KVS":
                 self.wait_steps[rid] = self.wait_steps.get(rid, 0) + 1
-                if self.wait_steps[rid] > MAX_LOAD_STEPS + self.delay_total:
+                waited = time.monotonic() - self.wait_since.setdefault(
+                    rid, time.monotonic())
+                over = self.wait_steps[rid] > MAX_LOAD_STEPS + self.delay_total
+                if over and waited < MAX_LOAD_WAIT_S:
+                    poll = True  # a copy in flight may need wall time
+                elif over:
                     cycles = self.fail_cycles.get(rid, 0)
                     if cycles >= 2:
                         self.fail(
@@ -1123,10 +1141,13 @@ class Explorer:
                             "whose load failed)")
                     self.fail("every load finishes",
                               f"request {rid} has waited for remote KV "
-                              f"{self.wait_steps[rid]} steps: the connector never "
-                              "reports its load finished (finished_recving) — a "
-                              "failed or faulted transfer must still end, reported "
-                              "through get_block_ids_with_load_errors")
+                              f"{self.wait_steps[rid]} steps and {waited:.1f} s: "
+                              "the connector never reports its load finished "
+                              "(finished_recving) — a failed or faulted transfer "
+                              "must still end, reported through "
+                              "get_block_ids_with_load_errors")
+        if poll:
+            time.sleep(LOAD_WAIT_POLL_S)
         self.idle_steps = self.idle_steps + 1 if ended and idle else 0
         if self.idle_steps > MAX_LOAD_STEPS + self.delay_total:
             self._fail_stranded(ended)

@@ -66,6 +66,20 @@ RANK_STEP_TIMEOUT_S = 120.0
 RANK_FAULTS = ("load_error",)
 
 
+#: starts of one rank group; a start whose rendezvous port another process took
+#: between :func:`free_init_method` and rank 0's bind is tried again on a new port
+START_ATTEMPTS = 3
+
+
+def port_taken(error: str) -> bool:
+    """Whether a rank's start failed because its rendezvous port was taken.
+
+    torch.distributed's TCPStore says ``EADDRINUSE`` / "address already in use"
+    (DistNetworkError): an environment race on a busy box, not the connector's.
+    """
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
+
+
 class TPHarnessError(RuntimeError):
     """A rank process failed to start or to answer (not a connector verdict)."""
 
@@ -361,27 +375,43 @@ class TPWorkerGroup:
         self.finished_by_rank: dict[str, dict[int, set[str]]] = {
             "sending": {r: set() for r in range(self.world_size)},
             "recving": {r: set() for r in range(self.world_size)}}
-        ctx = mp.get_context("spawn")
-        init = free_init_method()
         self._conns: list[Any] = []
         self._procs: list[Any] = []
-        try:
-            for r in range(self.world_size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(
-                    target=_rank_main, name=f"tvc-tp-rank{r}", daemon=True,
-                    args=(r, self.tp_size, self.backend, init, self.vllm_config,
-                          self.kv_cache_config, self.device,
-                          self.rank_faults.get(r, ""), child))
-                p.start()
-                child.close()
-                self._conns.append(parent)
-                self._procs.append(p)
-            for r in range(self.world_size):
-                self._recv(r, RANK_START_TIMEOUT_S, "start")
-        except BaseException:
-            self.close()
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start(free_init_method())
+                break
+            except TPHarnessError as exc:
+                self.close()
+                self._conns, self._procs = [], []
+                if not port_taken(str(exc)):
+                    raise
+                if attempt == START_ATTEMPTS:
+                    raise TPHarnessError(
+                        f"TP harness: the rendezvous port was taken by another "
+                        f"process on each of {START_ATTEMPTS} starts (EADDRINUSE): "
+                        "a busy box, not the connector; rerun the test\n"
+                        f"{exc}") from exc
+            except BaseException:
+                self.close()
+                raise
+
+    def _start(self, init: str) -> None:
+        """Spawn every rank, meeting at ``init``; wait until each has started."""
+        ctx = mp.get_context("spawn")
+        for r in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_rank_main, name=f"tvc-tp-rank{r}", daemon=True,
+                args=(r, self.tp_size, self.backend, init, self.vllm_config,
+                      self.kv_cache_config, self.device,
+                      self.rank_faults.get(r, ""), child))
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        for r in range(self.world_size):
+            self._recv(r, RANK_START_TIMEOUT_S, "start")
 
     # -- plumbing ----------------------------------------------------------------
     def _recv(self, rank: int, timeout_s: float, what: str) -> Any:

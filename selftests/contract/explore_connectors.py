@@ -288,6 +288,29 @@ class BadOverclaimsOneTokenConnector(MemoryConnector):
         return ext, is_async
 
 
+class BadOverclaimsOnceConnector(BadOverclaimsOneTokenConnector):
+    """Fault: the off-by-one above, once per process and only in a sequence
+    hypothesis draws: its replay of that sequence passes (a timing-dependent
+    fault), which hypothesis reports as flaky."""
+
+    fired = False
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        from hypothesis.control import currently_in_test_context
+
+        cls = BadOverclaimsOnceConnector
+        if cls.fired or not currently_in_test_context():
+            return MemoryConnector.get_num_new_matched_tokens(
+                self, request, num_computed_tokens)
+        ext, is_async = super().get_num_new_matched_tokens(request,
+                                                           num_computed_tokens)
+        base, _ = MemoryConnector.get_num_new_matched_tokens(
+            self, request, num_computed_tokens)
+        cls.fired = ext != base
+        return ext, is_async
+
+
 class BadShiftOnSharedPrefixConnector(MemoryConnector):
     """Fault: where the first entry to load was stored by another prompt (a
     shared prefix, not a replay of the same prompt), loads each block from the

@@ -196,6 +196,10 @@ class ExplorationFailure(AssertionError):
             f"replay (minimal event sequence; paste into python):\n{script}")
 
 
+#: the invariants broken during the current :func:`explore` call, in order
+_BROKEN: list[ExplorationFailure] = []
+
+
 class KnownDefectReached(Exception):  # noqa: N818 - reads as an event
     """A failure whose text matches a known defect the profile lists for this test.
 
@@ -837,6 +841,7 @@ class Explorer:
                 self.stats.known[reason] = self.stats.known.get(reason, 0) + 1
                 self.stats.known_first.setdefault(reason, str(exc))
                 raise KnownDefectReached(reason) from exc
+        _BROKEN.append(exc)
         raise exc
 
     def _step(self) -> None:
@@ -1523,6 +1528,7 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
     except ImportError:  # pragma: no cover - older hypothesis: fixed seed
         get_state_machine_test = None  # type: ignore[assignment]
     t0 = time.perf_counter()
+    _BROKEN.clear()
     try:
         with _distributed_held():
             if canonical:
@@ -1546,6 +1552,16 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                     outcome = _test_outcome(exc)
                     if outcome is not None:  # e.g. strict mode's missing GPU
                         raise outcome from None
+                    flaky = _flaky(exc)
+                    if flaky and _BROKEN:
+                        # a sequence broke an invariant and its replay did not:
+                        # timing-dependent; the red is the invariant, unshrunk
+                        first = _BROKEN[0]
+                        first.add_note(
+                            f"hypothesis could not replay this sequence the same "
+                            f"way ({flaky}): the connector's behaviour depends on "
+                            "timing, so the sequence was not shrunk")
+                        raise first from None
                     if isinstance(members, tuple) and members:
                         # an exception group: hypothesis found several distinct
                         # failures; name each (the group's message names none)
@@ -1561,6 +1577,18 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
     finally:
         stats.seconds += time.perf_counter() - t0
     return stats
+
+
+def _flaky(exc: BaseException) -> str:
+    """The name of hypothesis's flaky-test error ``exc`` is, or ''.
+
+    ``FlakyFailure`` (a failure its replay did not repeat) and
+    ``FlakyStrategyDefinition`` (a replay that drew differently) both derive
+    from ``hypothesis.errors.Flaky``.
+    """
+    from hypothesis.errors import Flaky
+
+    return type(exc).__name__ if isinstance(exc, Flaky) else ""
 
 
 def _test_outcome(exc: BaseException) -> BaseException | None:

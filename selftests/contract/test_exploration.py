@@ -325,3 +325,15 @@ def test_a_load_landing_after_its_aborted_request_was_freed_is_named(
     assert "(a load that landed after its request ended)" in out, out[-3000:]
     assert "cancel the load in request_finished" in out, out[-3000:]
     assert "preempt" not in out.split("while free", 1)[1].split("\n", 1)[0]
+
+
+def test_a_red_hypothesis_cannot_replay_is_headed_by_its_invariant(tmp_path) -> None:
+    """A fault that fires once: hypothesis's replay passes and it reports a flaky
+    test; the red's first line is still the invariant the sequence broke."""
+    proc = run_exploration("BadOverclaimsOnceConnector", "core", tmp_path)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    red = [t for t in summary["tests"] if t["outcome"] == "failed"]
+    assert len(red) == 1, red
+    first = red[0]["message"].splitlines()[0]
+    assert "invariant 'loaded KV bit-identical' broken" in first, first

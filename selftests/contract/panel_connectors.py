@@ -320,10 +320,19 @@ class FileChunkConnector(KVConnectorBase_V1):
         """Load every planned chunk now (both shapes load in this step)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, PanelMetadata)
+        failed, invalid = self._load_all(meta.loads)
+        self._invalid |= invalid
+        self._failed_reqs |= failed
+        if self.LOAD_ASYNC:
+            self._recv_done |= {j.req_id for j in meta.loads}
+
+    def _load_all(self, jobs: list[ChunkJob]) -> tuple[set[str], set[int]]:
+        """Load every job: (requests whose load failed, blocks to report)."""
         failed: set[str] = set()
-        for job in meta.loads:
+        invalid: set[int] = set()
+        for job in jobs:
             if job.req_id in failed:
-                self._invalid.update(job.block_ids[job.first:])
+                invalid.update(job.block_ids[job.first:])
                 continue
             bad = self._load(job)
             if bad is not None:
@@ -331,10 +340,8 @@ class FileChunkConnector(KVConnectorBase_V1):
                 # for an asynchronous load that failed) must miss it
                 self._path(job.key, self.rank).unlink(missing_ok=True)
                 failed.add(job.req_id)
-                self._invalid.update(job.block_ids[bad:])
-                self._failed_reqs.add(job.req_id)
-        if self.LOAD_ASYNC:
-            self._recv_done |= {j.req_id for j in meta.loads}
+                invalid.update(job.block_ids[bad:])
+        return failed, invalid
 
     def _load(self, job: ChunkJob) -> int | None:
         """Copy one chunk into its blocks; the index of the first failed block."""
@@ -472,17 +479,7 @@ class ThreadedAsyncPanelConnector(FileChunkConnector):
 
         def copy() -> None:
             time.sleep(self.LOAD_DELAY_S)
-            failed: set[str] = set()
-            invalid: set[int] = set()
-            for job in jobs:
-                if job.req_id in failed:
-                    invalid.update(job.block_ids[job.first:])
-                    continue
-                bad = self._load(job)
-                if bad is not None:
-                    self._path(job.key, self.rank).unlink(missing_ok=True)
-                    failed.add(job.req_id)
-                    invalid.update(job.block_ids[bad:])
+            failed, invalid = self._load_all(jobs)
             with self._lock:
                 self._invalid |= invalid
                 self._failed_reqs |= failed

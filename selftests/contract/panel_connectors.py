@@ -63,6 +63,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,17 +465,17 @@ class ThreadedAsyncPanelConnector(FileChunkConnector):
     LOAD_ASYNC = True
     LOAD_DELAY_S = 0.1
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()  # the copy threads' results
+        self._threads: list[threading.Thread] = []
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's loads to a thread; it reports them when copied."""
-        import threading
-
         meta = self._get_connector_metadata()
         assert isinstance(meta, PanelMetadata)
         if not meta.loads:
             return
-        if not hasattr(self, "_lock"):
-            self._lock = threading.Lock()
-            self._threads: list[threading.Thread] = []
         jobs = list(meta.loads)
 
         def copy() -> None:
@@ -492,27 +493,19 @@ class ThreadedAsyncPanelConnector(FileChunkConnector):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Receives the thread has copied (under its lock)."""
-        lock = getattr(self, "_lock", None)
-        if lock is None:
-            return super().get_finished(finished_req_ids)
-        with lock:
+        with self._lock:
             return super().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (under the lock)."""
-        lock = getattr(self, "_lock", None)
-        if lock is None:
-            return super().get_block_ids_with_load_errors()
-        with lock:
+        with self._lock:
             return super().get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
         """Wait for the copies in flight."""
-        for t in getattr(self, "_threads", ()):
+        for t in self._threads:
             t.join(timeout=5)
-        down = getattr(super(), "shutdown", None)
-        if down is not None:
-            down()
+        super().shutdown()
 
 
 class DelayedFreePanelConnector(FileChunkConnector):

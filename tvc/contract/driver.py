@@ -287,6 +287,11 @@ class StepRecord:
     finished: list[str]
 
 
+#: seconds a step waits, past the step limit, for a transfer in flight
+#: (:meth:`EngineDriver.step_until_idle`, the explorer's load check)
+STALL_POLL_S = 0.005
+
+
 @dataclass
 class EngineDriver:
     """Run the scheduler and a worker the way ``EngineCore.step`` does.
@@ -691,7 +696,7 @@ class EngineDriver:
             if still >= self.max_steps:
                 if time.monotonic() - since >= self.min_stall_s:
                     return False
-                time.sleep(0.005)  # a transfer in flight: give it wall time
+                time.sleep(STALL_POLL_S)  # a transfer in flight: give it time
             step()
             total += 1
             now = sorted((rid, q.num_computed_tokens, q.num_output_tokens)

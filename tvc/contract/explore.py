@@ -56,7 +56,7 @@ from typing import Any
 from tvc.config.depth import DEFAULT as DEFAULT_DEPTH
 from tvc.config.depth import DEPTHS
 from tvc.contract.builders import TINY_VOCAB_SIZE, make_request
-from tvc.contract.driver import EngineStepError
+from tvc.contract.driver import STALL_POLL_S, EngineStepError
 from tvc.contract.freed import INVARIANTS as FREED_INVARIANTS
 from tvc.contract.freed import RESUME_FIX, blame
 from tvc.contract.invariants import assert_scheduler_empty_and_no_leaked_blocks
@@ -79,9 +79,8 @@ MAX_LOAD_STEPS = 40
 # time, not engine steps, and the rig runs a step in about a millisecond; vLLM
 # sets no bound (Scheduler._try_promote_blocked_waiting_request waits for the
 # request in finished_recving). Past MAX_LOAD_STEPS each check sleeps
-# LOAD_WAIT_POLL_S, so such a load gets the time without thousands of steps.
+# driver.STALL_POLL_S, so such a load gets the time without thousands of steps.
 MAX_LOAD_WAIT_S = 3.0
-LOAD_WAIT_POLL_S = 0.005
 # sequences per family at the default depth (about 10 s per family on 2 CPUs)
 DEFAULT_EXAMPLES = DEPTHS[DEFAULT_DEPTH].explore_examples
 STEPS_PER_EXAMPLE = 20  # hypothesis stateful_step_count
@@ -1152,7 +1151,7 @@ class Explorer:
                               "must still end, reported through "
                               "get_block_ids_with_load_errors")
         if poll:
-            time.sleep(LOAD_WAIT_POLL_S)
+            time.sleep(STALL_POLL_S)
         self.idle_steps = self.idle_steps + 1 if ended and idle else 0
         if self.idle_steps > MAX_LOAD_STEPS + self.delay_total:
             self._fail_stranded(ended)

@@ -287,6 +287,20 @@ def test_a_long_drain_that_progresses_is_not_a_stuck_load() -> None:
     assert res["drain_steps"] >= res["max_steps"], res
 
 
+def test_a_failed_async_load_of_an_ended_request_marks_no_block_later() -> None:
+    """A CI red of panel member full-prompt-64-async: the harness's own write.
+
+    The harness kept the block table of an asynchronous load whose request
+    vLLM had ended FINISHED_ERROR, matched a later failed load's blocks against
+    it and marked a block vLLM had handed on and freed since; the red blamed
+    the connector for a write into a free block. The replay reaches both
+    failed loads (the premise), and stays green.
+    """
+    res = _replay(HERE / "replays" / "failed_async_load_table.py", HERE)
+    assert res["outcome"] == "green", res
+    assert res["failed_loads_reported"] >= 2, res
+
+
 @pytest.mark.parametrize(("cls", "red"), [("BadSavesFailedLoadConnector", True),
                                           ("MemoryConnector", False)])
 def test_a_save_of_a_failed_loads_blocks_is_named(cls: str, red: bool,

@@ -581,6 +581,11 @@ class ConnectorWorker:
 
     def _track(self, so: Any) -> list[tuple[str, int, int]]:
         """Update block tables; return (req_id, start, end) token ranges computed."""
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            # an asynchronous load whose request ended before it computed
+            # (FINISHED_ERROR, aborted): vLLM freed or frees its blocks, so a
+            # later report naming one of them is another request's
+            self._async_tables.pop(rid, None)
         work = []
         for nr in so.scheduled_new_reqs:
             if nr.req_id in self.block_table:

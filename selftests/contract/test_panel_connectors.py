@@ -458,6 +458,22 @@ def test_a_load_that_lands_after_the_forward_is_named_so(tmp_path: Path) -> None
     assert "never written" not in msg, msg  # not also called a short load
 
 
+def test_a_chunk_longer_than_the_old_prompts_gets_its_async_load_followed(
+        tmp_path: Path) -> None:
+    """Fresh-user finding: with 112-token chunks the asynchronous-load test
+    stored nothing in its 69-token prompt and skipped as "the connector loads
+    synchronously"; the prefix-sharing test stored nothing in its 99-token
+    prompt and passed without a hit. Both size their prompts from
+    ``connector.granularity`` now: a 128-token asynchronous chunk is followed
+    through finished_recving."""
+    run = run_contract(tmp_path, "async-128", "AsyncPanelConnector", 128,
+                       select=[SCHED, "-m", "contract", "-k",
+                               "async_load_completes or prefix_sharing"])
+    for name in ("test_async_load_completes_through_finished_receiving",
+                 "test_prefix_sharing_matches_at_most_the_shared_blocks"):
+        assert outcome(run, name) == "passed", (run.test(name), run.tail(2000))
+
+
 def test_a_receive_reported_twice_is_named_with_its_cause(tmp_path: Path) -> None:
     """vLLM's own assert on a second finished_recving gets the cause and the
     method (fresh-user finding: only the bare assert was shown)."""

@@ -104,24 +104,41 @@ def test_second_pass_matches_declared_hit_rule(rig_factory, contract_profile,
     record_property("hits_by_prompt_len", seen)
 
 
-def test_prefix_sharing_matches_at_most_the_shared_blocks(rig_factory) -> None:
+def _units(rig: C.Rig, profile, count: int) -> int:
+    """Tokens per stored unit G (``connector.granularity``), checked to fit.
+
+    Skips when ``count`` units and a few more tokens exceed the rig's
+    ``max_model_len``: a prompt that long never finishes.
+    """
+    g = profile.granularity_tokens(rig.block_size)
+    if count * g + 8 + OUTPUT_TOKENS > rig.vllm_config.model_config.max_model_len:
+        pytest.skip(f"{count} stored units of {g} tokens (connector.granularity) do "
+                    "not fit the rig's max_model_len")
+    return g
+
+
+def test_prefix_sharing_matches_at_most_the_shared_blocks(rig_factory,
+                                                          contract_profile) -> None:
     rig = rig_factory(block_size=16)
-    b = rig.block_size
-    base = rig.request(6 * b + 3)
+    # whole stored units (G tokens: a block, or a chunk), so that a chunked store
+    # holds the shared prefix too
+    g = _units(rig, contract_profile, 6)
+    base = rig.request(6 * g + 3)
     rig.driver.run(base)
     for k in (1, 3):
         rig.forget_local_cache()
-        shared = list(base.prompt_token_ids[: k * b])
-        req = rig.request(6 * b + 3, shared_prefix=shared)
+        shared = list(base.prompt_token_ids[: k * g])
+        req = rig.request(6 * g + 3, shared_prefix=shared)
         rig.driver.run(req)
         local, matched, is_async = C.external_hit(rig.driver, req)
-        assert matched <= k * b, (
-            f"prompt sharing {k} full block(s) ({k * b} tokens) with a stored prompt "
-            f"matched {matched} tokens: at most {k * b} may match — the connector "
-            "reports tokens beyond the shared prefix (false hit)")
-        C.assert_block_aligned(matched, b, req.num_prompt_tokens, local, is_async)
+        assert matched <= k * g, (
+            f"prompt sharing {k} whole stored unit(s) ({k * g} tokens) with a stored "
+            f"prompt matched {matched} tokens: at most {k * g} may match — the "
+            "connector reports tokens beyond the shared prefix (false hit)")
+        C.assert_block_aligned(matched, rig.block_size, req.num_prompt_tokens, local,
+                               is_async)
     rig.forget_local_cache()
-    other = rig.request(6 * b + 3)
+    other = rig.request(6 * g + 3)
     rig.driver.run(other)
     _, matched, _ = C.external_hit(rig.driver, other)
     assert matched == 0, (f"unrelated prompt matched {matched} tokens, expected 0 "
@@ -131,11 +148,23 @@ def test_prefix_sharing_matches_at_most_the_shared_blocks(rig_factory) -> None:
     C.assert_scheduler_empty_and_no_leaked_blocks(rig.scheduler)
 
 
-def test_async_load_completes_through_finished_receiving(rig_factory) -> None:
+def test_async_load_completes_through_finished_receiving(rig_factory,
+                                                         contract_profile) -> None:
     rig = rig_factory(block_size=16)
-    n = 4 * 16 + 5
+    n = 4 * _units(rig, contract_profile, 4) + 5  # whole stored units, and a tail
     _, second = _store_then_replay(rig, n)
     local, matched, is_async = C.external_hit(rig.driver, second)
+    if not matched:
+        rule, _source = contract_profile.select_hit_rule()
+        want = contract_profile.expected_hit_tokens(n, rig.block_size) if rule else 0
+        assert not want, (
+            f"scenario did not happen: the replay of a stored {n}-token prompt "
+            f"matched no token (the profile's hit_rule expects {want}), so no load "
+            "ran to follow")
+        pytest.skip(f"the replay of a stored {n}-token prompt matched no token"
+                    + (" (as the profile's hit_rule expects)" if rule else
+                       " and the profile declares no hit_rule")
+                    + ": no load to follow")
     if not is_async:
         pytest.skip("the connector loads synchronously (get_num_new_matched_tokens "
                     "returned load_kv_async=False), so there is no "

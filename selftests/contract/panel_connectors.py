@@ -454,7 +454,8 @@ class AsyncPanelConnector(FileChunkConnector):
 
 
 class ThreadedAsyncPanelConnector(FileChunkConnector):
-    """Asynchronous loads copied by a background thread after ``LOAD_DELAY_S``.
+    """Asynchronous loads copied by a background thread after ``LOAD_DELAY_S``
+    (extra config ``load_delay_s`` overrides it).
 
     A transfer that takes wall time (a disk or a network), not engine steps:
     ``finished_recving`` names a request only once its thread has copied it, and
@@ -477,9 +478,11 @@ class ThreadedAsyncPanelConnector(FileChunkConnector):
         if not meta.loads:
             return
         jobs = list(meta.loads)
+        delay = float(self._kv_transfer_config.get_from_extra_config(
+            "load_delay_s", self.LOAD_DELAY_S))
 
         def copy() -> None:
-            time.sleep(self.LOAD_DELAY_S)
+            time.sleep(delay)
             failed, invalid = self._load_all(jobs)
             with self._lock:
                 self._invalid |= invalid

@@ -580,6 +580,26 @@ def test_a_48_token_chunk_gets_its_resumed_prefill(tmp_path: Path) -> None:
     assert record["prompt_len"] > 7 * 48 + 9 and len(record["preempted_after"]) >= 2
 
 
+@pytest.mark.parametrize(("limit", "red"), [(None, False), (1, True)])
+def test_a_load_of_seconds_waits_for_the_profiles_transfer_timeout(
+        limit: int | None, red: bool, tmp_path: Path) -> None:
+    """Fresh-user finding: a correct connector whose loads land 5 s after they
+    start (a remote store) was called one that "never completed" after a fixed
+    3 s. vLLM sets no bound; the wait is ``connector.transfer_timeout_s``
+    (default 10 s): a 4 s copy passes, and is red under a 1 s limit, the red
+    naming the key."""
+    devices = 'worker_devices = ["cpu"]' + (
+        f"\ntransfer_timeout_s = {limit}" if limit else "")
+    run = run_contract(tmp_path, "threaded-4s", "ThreadedAsyncPanelConnector", 16,
+                       devices=devices, extra=", load_delay_s = 4.0",
+                       select=["suites/contract/test_scenarios.py", "-m", "contract",
+                               "-k", "local_prefix_cache_hit_then_external and cpu"])
+    t = run.test("test_local_prefix_cache_hit_then_external_hit[cpu]")
+    assert t["outcome"] == ("failed" if red else "passed"), (t, run.tail(2000))
+    if red:
+        assert "within 1 s, connector.transfer_timeout_s" in t["message"], t
+
+
 def test_a_load_that_takes_wall_time_on_a_thread_is_not_called_endless(
         tmp_path: Path) -> None:
     """A correct connector whose receives end on a background thread 0.1 s later.

@@ -196,6 +196,12 @@ class ConnectorSection(Section):
         120.0, 3600.0, "seconds in an hour", "seconds one engine step of the "
         "contract tier (every connector call in it) may take before the watchdog "
         "stops it and fails the test naming the call", least=1)
+    transfer_timeout_s: float = bounded(
+        10.0, 3600.0, "seconds in an hour", "seconds of wall time a transfer (an "
+        "asynchronous load until finished_recving, a delayed free until "
+        "finished_sending) may stay in flight after 40 engine steps without "
+        "progress before the contract tier calls it one that never finishes; vLLM "
+        "sets no bound: raise it for a slower store", least=1)
     test_timeout_s: float = bounded(
         1800.0, 86_400.0, _DAY, "seconds one contract test may take "
         "(pytest-timeout, signal method) unless --timeout is given", least=10)

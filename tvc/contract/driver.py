@@ -290,6 +290,9 @@ class StepRecord:
 #: seconds a step waits, past the step limit, for a transfer in flight
 #: (:meth:`EngineDriver.step_until_idle`, the explorer's load check)
 STALL_POLL_S = 0.005
+#: seconds of wall time a transfer may stay in flight past the step limit when
+#: the profile sets no ``connector.transfer_timeout_s`` (its default)
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -371,8 +374,8 @@ class EngineDriver:
     max_steps: int = 200
     #: seconds without progress :meth:`step_until_idle` also waits before it
     #: calls the engine stalled (a receive on a background thread takes wall
-    #: time; the explorer's :data:`tvc.contract.explore.MAX_LOAD_WAIT_S`)
-    min_stall_s: float = 3.0
+    #: time): the profile's ``connector.transfer_timeout_s``
+    min_stall_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     before_worker: Any = None
     num_steps: int = 0
     match_steps: dict[str, list[int]] = field(default_factory=dict)
@@ -759,7 +762,9 @@ class EngineDriver:
                 raise AssertionError(
                     f"finished requests {sorted(left)} never left the scheduler and "
                     f"{held} KV block(s) are still referenced after {self.max_steps} "
-                    f"steps: {self.why_finished_stay(left)} (leaked blocks)")
+                    f"steps and {self.min_stall_s:g} s (connector."
+                    f"transfer_timeout_s): {self.why_finished_stay(left)} "
+                    "(leaked blocks)")
             too_big = self._beyond_pool()
             if too_big:
                 raise RigPlanError(too_big)
@@ -778,9 +783,10 @@ class EngineDriver:
                     "load it reported failed")
             raise AssertionError(
                 f"requests still in the scheduler after {self.max_steps} steps "
-                f"without progress: {left} — a load or store never completed "
-                "(the connector never "
-                "reported it finished)")
+                f"and {self.min_stall_s:g} s without progress: {left} — a load or "
+                "store never completed (the connector did not report it finished "
+                f"within {self.min_stall_s:g} s, connector.transfer_timeout_s; "
+                "vLLM sets no bound: raise it for a slower store)")
         for _ in range(extra_steps):
             self.step()
 

@@ -74,13 +74,14 @@ PREFILL_BUDGET = 2 * BLOCK_SIZE + 8
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
-# wall time (seconds) a load may also stay in flight before it is called one
-# that never finishes: a copy on a background thread (a disk, a network) takes
-# time, not engine steps, and the rig runs a step in about a millisecond; vLLM
-# sets no bound (Scheduler._try_promote_blocked_waiting_request waits for the
-# request in finished_recving). Past MAX_LOAD_STEPS each check sleeps
-# driver.STALL_POLL_S, so such a load gets the time without thousands of steps.
-MAX_LOAD_WAIT_S = 3.0
+# A load must also stay in flight the wall time of the profile's
+# connector.transfer_timeout_s (the rig driver's min_stall_s) before it is
+# called one that never finishes: a copy on a background thread (a disk, a
+# network) takes time, not engine steps, and the rig runs a step in about a
+# millisecond; vLLM sets no bound (Scheduler._try_promote_blocked_waiting_request
+# waits for the request in finished_recving). Past MAX_LOAD_STEPS each check
+# sleeps driver.STALL_POLL_S, so such a load gets the time without thousands of
+# steps.
 # sequences per family at the default depth (about 10 s per family on 2 CPUs)
 DEFAULT_EXAMPLES = DEPTHS[DEFAULT_DEPTH].explore_examples
 STEPS_PER_EXAMPLE = 20  # hypothesis stateful_step_count
@@ -391,7 +392,8 @@ class Explorer:
         self.rig = self.make_rig(**kw)
         # the drain's stall limit outlasts the per-request one, which names why
         # a load never finishes (a failed entry matched again, get_finished)
-        self.rig.driver.min_stall_s = MAX_LOAD_WAIT_S + 2.0
+        self.load_wait_s = self.rig.driver.min_stall_s  # transfer_timeout_s
+        self.rig.driver.min_stall_s = self.load_wait_s + 2.0
         self._async_seen = 0
         self._note_standin()
         _hold_distributed()
@@ -1124,7 +1126,7 @@ class Explorer:
                 waited = time.monotonic() - self.wait_since.setdefault(
                     rid, time.monotonic())
                 over = self.wait_steps[rid] > MAX_LOAD_STEPS + self.delay_total
-                if over and waited < MAX_LOAD_WAIT_S:
+                if over and waited < self.load_wait_s:
                     poll = True  # a copy in flight may need wall time
                 elif over:
                     cycles = self.fail_cycles.get(rid, 0)
@@ -1149,7 +1151,10 @@ class Explorer:
                               "the connector never reports its load finished "
                               "(finished_recving) — a failed or faulted transfer "
                               "must still end, reported through "
-                              "get_block_ids_with_load_errors")
+                              "get_block_ids_with_load_errors (the limit is "
+                              f"connector.transfer_timeout_s, {self.load_wait_s:g} "
+                              "s; vLLM sets no bound: raise it for a slower "
+                              "store)")
         if poll:
             time.sleep(STALL_POLL_S)
         self.idle_steps = self.idle_steps + 1 if ended and idle else 0

@@ -167,7 +167,9 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                           no_worker_reason=why, scheduler_only=scheduler_only,
                           on_no_worker=on_no_worker,
                           call_timeout_s=float(
-                              profile["connector"]["call_timeout_s"]))
+                              profile["connector"]["call_timeout_s"]),
+                          min_stall_s=float(
+                              profile["connector"]["transfer_timeout_s"]))
     note_rig(driver.coverage, vc, kcc, worker)
     return Rig(vc, kcc, sched, worker, driver, runner)
 

@@ -619,7 +619,8 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
                               rank_faults=dict(rank_faults or {}))
     return TPRig(vc, kcc, sched, group, EngineDriver(
         sched, worker=group,
-        call_timeout_s=float(profile["connector"]["call_timeout_s"])))
+        call_timeout_s=float(profile["connector"]["call_timeout_s"]),
+        min_stall_s=float(profile["connector"]["transfer_timeout_s"])))
 
 
 def note_tp_rig(rig: TPRig) -> Any:

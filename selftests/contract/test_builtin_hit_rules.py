@@ -10,6 +10,7 @@ rule), pass, and record hits equal to the profile's rule, some of them above zer
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,23 @@ def test_contract_tier_exercises_the_builtin_hit_rule(name: str,
         assert any(hit > 0 for hit in seen.values()), (
             f"{name} B={block}: no prompt length gave a hit, so the rule was never "
             f"tested where it matters: {seen}")
+
+
+def test_a_misspelt_module_path_is_named_with_the_close_module(
+        tmp_path: Path) -> None:
+    """Fresh-user finding: a typo in connector.module_path said only "Put the
+    adapter's package on PYTHONPATH" (a Tutti word). It now offers the module
+    on the path whose name is closest, and says to fix module_path."""
+    pkg = tmp_path / "mods"
+    pkg.mkdir()
+    (pkg / "lagged_chunk_connector.py").write_text("")
+    prof = tmp_path / "typo.toml"
+    prof.write_text('[profile]\nname = "typo"\n[connector]\nname = "C"\n'
+                    'module_path = "lagged_chunk_connectr"\nhit_rule = "0"\n')
+    sys.path.insert(0, str(pkg))
+    try:
+        why = adapter_missing_reason(load(str(prof)))
+    finally:
+        sys.path.remove(str(pkg))
+    assert "Did you mean 'lagged_chunk_connector'?" in why, why
+    assert "connector.module_path" in why and "adapter" not in why, why

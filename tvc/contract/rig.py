@@ -295,12 +295,26 @@ def adapter_missing_reason(profile: Profile) -> str:
                 found = False
     if found:
         return ""
+    hint = _close_module(upstream or mod)
     if upstream:
         mod = f"{upstream} (wrapped by {mod})"
     return (f"The connector module {mod!r} of profile {profile.name!r} is not "
-            "installed on this box, so its contract cannot be driven. Put the "
-            "adapter's package on PYTHONPATH (or pip install it) and rerun; "
+            f"installed on this box, so its contract cannot be driven.{hint} Put "
+            "the folder holding the connector's module on PYTHONPATH (or pip "
+            "install its package) and rerun, or fix connector.module_path; "
             "level1 test_connector_resolves reports the same as a failure.")
+
+
+def _close_module(name: str) -> str:
+    """" Did you mean 'x'?" for a top-level module name close to ``name``'s."""
+    import difflib
+    import pkgutil
+
+    top = name.split(".")[0]
+    near = difflib.get_close_matches(
+        top, {m.name for m in pkgutil.iter_modules()}, n=1, cutoff=0.85)
+    return (f" Did you mean {near[0] + name[len(top):]!r}?"
+            if near and near[0] != top else "")
 
 
 def class_missing_reason(profile: Profile) -> str:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tvc.core.watchdog import Stuck, deadline
+from tvc.core.watchdog import OUTER_GRACE_S, Stuck, deadline
 
 pytestmark = pytest.mark.hw_any
 
@@ -40,11 +40,14 @@ def test_an_outer_timer_due_first_keeps_its_deadline_and_is_restored() -> None:
         with pytest.raises(Stuck, match=r"outer=True"):  # due before 5 s
             with deadline(5, _describe):
                 _spin()
-        # the outer timer, due by now, fires at once after the block (it was
-        # re-armed to 1 ms: under load that ran before the next line did)
-        time.sleep(0.05)
-        assert fired == [1], fired
-        fired.clear()
+        # the outer deadline was reported by Stuck: its timer, due by now, is
+        # re-armed OUTER_GRACE_S later, so that it cannot replace Stuck while it
+        # propagates (it was 1 ms: pytest-timeout's "Timeout" replaced the
+        # message naming the stuck call)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert OUTER_GRACE_S - 1 < left <= OUTER_GRACE_S, left
+        assert fired == [], fired
+        signal.setitimer(signal.ITIMER_REAL, 0)
         # an outer timer not yet due is re-armed with what it has left
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         with deadline(5, _describe):

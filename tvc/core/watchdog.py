@@ -22,6 +22,10 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+#: seconds the outer timer (pytest-timeout) waits after :class:`Stuck` reported
+#: its deadline, for the test to end with that message
+OUTER_GRACE_S = 5.0
+
 
 class Stuck(AssertionError):
     """A bounded block did not finish in time (the message names what and where)."""
@@ -66,8 +70,10 @@ def deadline(seconds: float, describe: Callable[[float, FrameType | None, bool],
     outer = 0 < prev_left < seconds
     bound = prev_left if outer else seconds
     start = time.monotonic()
+    fired: list[bool] = []
 
     def handler(_signum: int, frame: FrameType | None) -> None:
+        fired.append(True)
         raise Stuck(describe(bound, frame, outer))
 
     signal.signal(signal.SIGALRM, handler)
@@ -79,4 +85,9 @@ def deadline(seconds: float, describe: Callable[[float, FrameType | None, bool],
         signal.signal(signal.SIGALRM, prev_handler)
         if prev_left > 0:
             left = prev_left - (time.monotonic() - start)
-            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), prev_interval)
+            # the outer deadline was reported by Stuck: its timer, re-armed at
+            # once, would fire while Stuck propagates and replace the message
+            # naming the stuck call (pytest-timeout's "Timeout"); it gets
+            # OUTER_GRACE_S, and still stops a teardown that hangs
+            least = OUTER_GRACE_S if fired and outer else 0.001
+            signal.setitimer(signal.ITIMER_REAL, max(left, least), prev_interval)

@@ -14,35 +14,15 @@ Prints one JSON line: ``outcome`` (green / red), ``text`` (the failure),
 """
 
 import json
-import tempfile
-from pathlib import Path
 
 import vllm
+from panel_replay import CHUNK_RULE, panel_explorer
 
-from tvc.contract.explore import ExplorationFailure, replay_explorer
+from tvc.contract.explore import ExplorationFailure
 
-PROFILE = """\
-[profile]
-name = "panel-full-prompt-64-async"
-[connector]
-name = "AsyncFullPromptPanelConnector"
-module_path = "panel_connectors"
-kv_role = "kv_both"
-extra_config = { store_path = "${SCRATCH}/panel-store", chunk_tokens = 64 }
-granularity = "max(chunk_tokens, B)"
-hit_rule = "len - 1 if len %% max(chunk_tokens, B) == 0 else \
-(len - 1) // max(chunk_tokens, B) * max(chunk_tokens, B)"
-hit_rule_source = "selftests/contract/panel_connectors.py"
-persistent_store = true
-worker_devices = ["cpu"]
-[scratch]
-dir = "%s"
-"""
-
-tmp = Path(tempfile.mkdtemp(prefix="tvc-replay-"))
-prof = tmp / "panel-full-prompt-64-async.toml"
-prof.write_text(PROFILE % (tmp / "scratch"))
-ex = replay_explorer(str(prof), family="faults", policy="fail")
+FULL_RULE = f"len - 1 if len % max(chunk_tokens, B) == 0 else {CHUNK_RULE}"
+ex = panel_explorer("panel-full-prompt-64-async", "AsyncFullPromptPanelConnector",
+                    64, "faults", "fail", rule=FULL_RULE)
 text = ""
 try:
     ex.warm([(1, 1)], tenant=None)

@@ -11,34 +11,14 @@ Prints one JSON line: ``outcome`` (green / red), ``text`` (the failure),
 """
 
 import json
-import tempfile
-from pathlib import Path
 
 import vllm
+from panel_replay import panel_explorer
 
-from tvc.contract.explore import ExplorationFailure, replay_explorer
+from tvc.contract.explore import ExplorationFailure
 
-PROFILE = """\
-[profile]
-name = "panel-chunked-256"
-[connector]
-name = "SyncPanelConnector"
-module_path = "panel_connectors"
-kv_role = "kv_both"
-extra_config = { store_path = "${SCRATCH}/panel-store", chunk_tokens = 256 }
-granularity = "max(chunk_tokens, B)"
-hit_rule = "(len - 1) // max(chunk_tokens, B) * max(chunk_tokens, B)"
-hit_rule_source = "selftests/contract/panel_connectors.py"
-persistent_store = true
-worker_devices = ["cpu"]
-[scratch]
-dir = "%s"
-"""
-
-tmp = Path(tempfile.mkdtemp(prefix="tvc-replay-"))
-prof = tmp / "panel-chunked-256.toml"
-prof.write_text(PROFILE % (tmp / "scratch"))
-ex = replay_explorer(str(prof), family="preemption", policy="recompute")
+ex = panel_explorer("panel-chunked-256", "SyncPanelConnector", 256, "preemption",
+                    "recompute")
 text, before = "", 0
 try:
     ex.warm([(3, 5)], tenant=None)

@@ -171,33 +171,76 @@ def pytest_target(root: Path) -> tuple[Path, list[str], list[str]]:
             [f"--rootdir={root}", "-o", "junit_family=xunit1"])
 
 
+class CertificationSet:
+    """The collection of every test ``tvc certify PROFILE`` runs, started now.
+
+    Collected in a process of its own (:mod:`tvc.plugin.certset`). ``certify``
+    starts it beside the run instead of after it: collecting imports vLLM, 9 s
+    of the H200 host's 206 s ``example`` certification after the last test
+    (2026-12-05).
+    """
+
+    def __init__(self, root: Path, profile: str, env: dict[str, str] | None = None
+                 ) -> None:
+        import subprocess
+        import tempfile
+
+        cwd, tiers, where = pytest_target(root)
+        self._tmp = tempfile.TemporaryDirectory(prefix="tvc-certset-")
+        self._out = Path(self._tmp.name) / "set.json"
+        self._log = open(Path(self._tmp.name) / "log", "w+")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tvc.plugin.certset", str(self._out), *where,
+             *tiers, f"--tvc-profile={profile}"], cwd=cwd, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True)
+
+    def result(self, timeout_s: float = 600) -> dict[str, str]:
+        """Wait for the collection: node id -> hardware level.
+
+        Raises:
+            RuntimeError: the collection failed or took over ``timeout_s`` (its
+                output's tail is in the message).
+
+        """
+        import json
+        import subprocess
+
+        try:
+            rc = self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            raise RuntimeError(f"collecting the certification set took over "
+                               f"{timeout_s:.0f} s") from None
+        try:
+            if rc != 0 or not self._out.is_file():
+                self._log.seek(0)
+                tail = " ".join(self._log.read().split()[-40:])
+                raise RuntimeError(f"collecting the certification set failed "
+                                   f"(pytest exit {rc}): {tail}")
+            levels: dict[str, str] = json.loads(self._out.read_text())
+            return levels
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the collection if it still runs; remove its files."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+        self._tmp.cleanup()
+
+
 def certification_set(root: Path, profile: str, env: dict[str, str] | None = None
                       ) -> dict[str, str]:
     """Every test ``tvc certify PROFILE`` collects, with its hardware level.
-
-    Collected in a process of its own (:mod:`tvc.plugin.certset`).
 
     Raises:
         RuntimeError: the collection failed (its output's tail is in the message).
 
     """
-    import json
-    import subprocess
-    import tempfile
-
-    cwd, tiers, where = pytest_target(root)
-    with tempfile.TemporaryDirectory(prefix="tvc-certset-") as tmp:
-        out = Path(tmp) / "set.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "tvc.plugin.certset", str(out), *where, *tiers,
-             f"--tvc-profile={profile}"], cwd=cwd, env=env, capture_output=True,
-            text=True, timeout=600, check=False)
-        if proc.returncode != 0 or not out.is_file():
-            tail = " ".join((proc.stdout + proc.stderr).split()[-40:])
-            raise RuntimeError(f"collecting the certification set failed (pytest "
-                               f"exit {proc.returncode}): {tail}")
-        levels: dict[str, str] = json.loads(out.read_text())
-    return levels
+    return CertificationSet(root, profile, env).result()
 
 
 def suite_info(root: Path) -> dict[str, str]:
@@ -385,6 +428,7 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         return 0
     sys.stdout.flush()
     t0 = time.monotonic()
+    collecting = CertificationSet(root, profile, env)  # beside the run, not after
     proc = subprocess.Popen(cmd, cwd=cwd, env=env)
 
     def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGHUP: pytest's own
@@ -394,6 +438,9 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # tty's ^C
     try:                                                # reaches pytest directly
         rc = proc.wait()
+    except BaseException:
+        collecting.cancel()
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -412,8 +459,11 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
         print(f"certify: finding ({f['outcome']}): {f['title']}; rerun: {f['rerun']}")
         known += f["outcome"] == "xfailed"
     verdict = certify_verdict(rc, partial, known)
-    refused = write_certification(run_dir, root, profile, prof, env) if summary \
-        else ["no summary.json"]
+    if summary:
+        refused = write_certification(run_dir, root, profile, prof, env, collecting)
+    else:
+        collecting.cancel()
+        refused = ["no summary.json"]
     if refused and verdict.startswith("CERTIFIED"):  # e.g. a test of the set absent
         verdict, rc = f"NOT certified: {refused[0]}", 1
     print(f"certify: {prof.name} {verdict} in {dt // 3600}h{dt % 3600 // 60:02d}m"
@@ -422,7 +472,8 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
 
 
 def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
-                        env: dict[str, str]) -> list[str]:
+                        env: dict[str, str],
+                        collecting: CertificationSet | None = None) -> list[str]:
     """Write the run's ``certification.json``; return why it does not hold.
 
     Args:
@@ -431,6 +482,8 @@ def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
         profile: the profile as given to pytest.
         prof: the loaded profile.
         env: the run's environment.
+        collecting: the certification set's collection, started beside the
+            run (collected now when None).
 
     Returns:
         the certification's problems ([] when certified); a collection that
@@ -442,7 +495,8 @@ def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
     from tvc.report import certification as cert
 
     try:
-        levels = certification_set(root, profile, env)
+        levels = (collecting.result() if collecting is not None
+                  else certification_set(root, profile, env))
     except (RuntimeError, OSError) as exc:
         print(f"certify: no certification.json: {exc}")
         return [str(exc)]

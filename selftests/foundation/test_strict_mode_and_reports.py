@@ -203,3 +203,12 @@ def test_selftest_run_is_filed_apart_and_never_becomes_latest(tmp_path) -> None:
     assert page.startswith("# Suite self-test run"), page[:200]
     assert os.readlink(root / "latest") == "20260101-000000-example"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "selftests"]
+
+
+def test_the_plugin_knows_the_property_the_contract_tier_records_coverage_in(
+) -> None:
+    """The controller starts vLLM's API inventory at the first report carrying it."""
+    from tvc.contract.coverage import PROPERTY
+    from tvc.plugin.hooks import COVERAGE_PROPERTY
+
+    assert COVERAGE_PROPERTY == PROPERTY

@@ -206,3 +206,53 @@ def test_the_hit_count_is_read_from_the_connectors_own_log():
     assert tp.logged_hit_tokens("External Cache Hit!", LMCACHE_LINE + "\n"
                                 "External Cache Hit!") is None  # no number
     assert tp.logged_hit_tokens("", LMCACHE_LINE) is None
+
+
+def test_a_log_line_is_awaited_until_it_comes_or_the_log_settles() -> None:
+    """A line written late is waited for; a settled log ends the wait early."""
+    import threading
+    import time
+
+    from tvc.e2e.two_pass import await_log_line
+
+    log = ["engine: step\n"]
+    read = lambda: "".join(log)  # noqa: E731
+    hit = lambda text: "External Cache Hit!" in text  # noqa: E731
+
+    # the line comes 0.6 s later, while the log still grows: it is waited for
+    def write_late() -> None:
+        for _ in range(3):
+            time.sleep(0.2)
+            log.append("engine: step\n")
+        log.append("External Cache Hit!\n")
+
+    writer = threading.Thread(target=write_late)
+    t0 = time.monotonic()
+    writer.start()
+    text = await_log_line(read, hit, 5.0, "hit", quiet_s=0.5)
+    writer.join()
+    assert "External Cache Hit!" in text and time.monotonic() - t0 < 2.0, text
+
+    # no line, a settled log: the wait ends after quiet_s, not max_s
+    log[:] = ["engine: step\n"]
+    t0 = time.monotonic()
+    text = await_log_line(read, hit, 5.0, "hit", quiet_s=0.5)
+    waited = time.monotonic() - t0
+    assert text == "engine: step\n" and 0.5 <= waited < 1.5, waited
+
+    # a log that keeps growing without the line: the whole max_s
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        while not stop.is_set():
+            log.append("engine: step\n")
+            time.sleep(0.1)
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    t0 = time.monotonic()
+    await_log_line(read, hit, 1.5, "hit", quiet_s=0.5)
+    waited = time.monotonic() - t0
+    stop.set()
+    writer.join()
+    assert waited >= 1.4, waited

@@ -53,7 +53,6 @@ Engine variants
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -81,7 +80,6 @@ from tvc.procs.client import (
     completion_body,
     stream_completion,
 )
-from tvc.procs.polling import PollTimeout, wait_until
 
 DEFAULT_CONCURRENCY = 16  # [e2e] concurrency default (the profile schema's)
 DEFAULT_LOGPROB_ATOL = tp.LOGPROB_ATOL  # [e2e] logprob_atol default
@@ -791,17 +789,10 @@ def run_load_failure(server: Any, prompt: Sequence[int], after_prompt: Sequence[
         healthy = healthy and client.health()
     after = client.stream(list(after_prompt), max_tokens, top_k)
     pattern = re.compile(RECOVERED_LOG if policy == "recompute" else FAILING_LOG)
-    log = server.log_text(offset)
-
-    def logged() -> bool:
-        nonlocal log
-        log = server.log_text(offset)  # since pass 2 began, read again
-        return bool(pattern.search(log))
-
     # no line in time is no error here: check_load_failure judges the log
-    with contextlib.suppress(PollTimeout):
-        wait_until(logged, LOAD_FAILURE_LOG_WAIT_S, tp.LOG_POLL_S,
-                   f"the server log line {pattern.pattern!r}")
+    log = tp.await_log_line(lambda: server.log_text(offset), pattern.search,
+                            LOAD_FAILURE_LOG_WAIT_S,
+                            f"the server log line {pattern.pattern!r}")
     try:
         ext = client.metrics().value(EXTERNAL_HITS_METRIC) - before.value(
             EXTERNAL_HITS_METRIC)

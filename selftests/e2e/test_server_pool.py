@@ -328,3 +328,18 @@ def test_query_gpus_reads_nvidia_smi_and_honours_cuda_visible_devices(
     assert [g.index for g in pl.query_gpus()] == [1]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3f2a")
     assert pl.query_gpus() == []  # by UUID: no placement by index, no pool
+
+
+def test_critical_path_keeps_each_lanes_server_of_one_name_apart():
+    """Two lanes' pools each start a 'vllm-server': their waits are not one server's."""
+    servers = [{"name": "vllm-server", "server": "vllm-server", "worker": w,
+                "queued": None, "start": 10.0, "ready": 10.0 + r}
+               for w, r in (("gw1", 30.0), ("gw4", 50.0))]
+    waits = [{"test": f"t::{w}", "server": "vllm-server", "worker": w,
+              "start": 10.0, "end": 10.0 + r} for w, r in (("gw1", 30.0),
+                                                           ("gw4", 50.0))]
+    text = " ".join(critical_path({"start": 0.0, "end": 70.0, "servers": servers,
+                                   "waits": waits, "tests": []}))
+    assert ("the run waited 50.0 s on server vllm-server start in lane gw4 "
+            "(queued 0.0 s, start to ready 50.0 s); 80.0 s on server starts in "
+            "all") in text, text

@@ -619,3 +619,18 @@ def test_writer_test_can_fail(tmp_path: Path) -> None:
     entries = inj.entries_since({})  # the writer's file "changed since" an old mark
     inj.corrupt(entries)
     assert (root / "theirs.bin").read_bytes() != b"t" * 64
+
+
+def test_a_store_held_by_the_connectors_server_gets_no_object_injector() -> None:
+    """The connector object's dicts are not the KV of a server-held store."""
+    from tvc.contract.faults import ObjectStoreInjector
+
+    conn = SimpleNamespace(index={})
+    rig = SimpleNamespace(
+        vllm_config=SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"lmcache.mp.port": 5555})),
+        scheduler=SimpleNamespace(connector=conn))
+    served = {"connector": {"fault_injector": ""}, "kv_server": {"kind": "lmcache"}}
+    assert fault_injector_for(served, rig) is None
+    in_process = {"connector": {"fault_injector": ""}, "kv_server": {"kind": ""}}
+    assert isinstance(fault_injector_for(in_process, rig), ObjectStoreInjector)

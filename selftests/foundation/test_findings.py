@@ -4,6 +4,8 @@ symptom only."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tvc.core.error_hints import hint_prefix
@@ -268,3 +270,33 @@ def test_the_rerun_command_calls_the_runs_own_pytest(tmp_path) -> None:
     tests = [_t("suites/contract/test_x.py::test_y", "boom")]
     got = findings(tests, PROFILE, seed=7, pytest=".venv/bin/pytest")[0]["rerun"]
     assert got.startswith(".venv/bin/pytest suites/contract/test_x.py::test_y "), got
+
+
+LMCACHE_MP = {"name": "lmcache-mp", "source": "lmcache-mp.toml",
+              "connector": "LMCacheMPConnector"}
+MP_RUN = Path(__file__).parent / "data" / "lmcache_mp_h100_reds.json"
+
+
+def test_each_lmcache_mp_red_of_the_h100_run_is_its_own_finding() -> None:
+    """The 13 connector reds of LMCacheMPConnector on the H100 host (vLLM 0.26.0,
+    lmcache 0.5.3, 2026-12-05), messages as the run wrote them: each is its
+    catalogued defect, and only for that connector and those versions."""
+    import json
+
+    reds = json.loads(MP_RUN.read_text())
+    on_026 = {"vllm": "0.26.0", "lmcache": "0.5.3"}
+    got = {r["nodeid"].split("::")[-1]: [f["key"] for f in findings(
+        [_t(r["nodeid"], r["message"])], LMCACHE_MP, versions=on_026)]
+        for r in reds}
+    want = {"skip-reading": 2, "under-store": 6, "finished-after-free": 2,
+            "dtype-key": 2, "lora-key": 1}
+    keys = [k[0].removeprefix("lmcache-mp-") for k in got.values() if len(k) == 1]
+    assert {k: keys.count(k) for k in want} == want, got
+    # the in-process connector's run, or a vLLM that guards skip_reading itself
+    other = findings([_t(reds[0]["nodeid"], reds[0]["message"])], LMCACHE,
+                     versions=on_026)
+    assert not any(f["key"].startswith("lmcache-mp-") for f in other), other
+    skip = [r for r in reds if "skip_reading" in r["message"]][0]
+    got_033 = findings([_t(skip["nodeid"], skip["message"])], LMCACHE_MP,
+                       versions={"vllm": "0.33.0", "lmcache": "0.5.6"})
+    assert [f["key"] for f in got_033] == ["test"], got_033

@@ -833,7 +833,8 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
     of the connector's ``kv_connector_extra_config`` (after the suite moved it
     to this session's store folder; made when missing, e.g. the exploration's
     per-sequence stores), else an :class:`ObjectStoreInjector` on the
-    scheduler-side connector.
+    scheduler-side connector, unless the connector's own server holds its KV
+    (:func:`server_held_store`: None).
 
     Raises:
         FaultConfigError: the hook cannot be imported or called.
@@ -875,8 +876,26 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
                 f"created (no {run_store.OWNER_MARKER} marker of this process at or "
                 "above it): the store-fault tests damage only what the connector "
                 "wrote in the suite's own folders of this run")
+    if server_held_store(profile):
+        return None  # its store is another process's memory, not an object here
     conn = rig.scheduler.connector
     return ObjectStoreInjector(getattr(conn, "inner", conn))
+
+
+def server_held_store(profile: Any) -> str:
+    """The ``[kv_server]`` kind whose process holds the connector's KV, or ''.
+
+    Such a store (LMCache's multiprocess server, Mooncake's master and its
+    clients) is out of reach of :class:`ObjectStoreInjector`: the dicts of the
+    connector object are its books, not its KV. On the H100 host (LMCache 0.5.3,
+    2026-12-05) the injector emptied a client-side dict, the server still held
+    the request's 2 of 2 chunks, and 4 store-fault tests blamed the connector
+    for a fault that never happened.
+    """
+    try:
+        return str(profile["kv_server"]["kind"] or "")
+    except (KeyError, TypeError):
+        return ""
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -102,6 +102,9 @@ class KnownDefect:
 
 
 _T = "xPU-IO/Tutti 33a8fb8 integration/vllm-connector/"
+# the LMCacheMPConnector vLLM runs: vLLM's in-tree module hands over to LMCache's
+# own class when it imports ("Using external LMCacheMPConnector from lmcache...")
+_LMC_MP = "lmcache 0.5.3 lmcache/integration/vllm/lmcache_mp_connector.py "
 
 CATALOGUE: tuple[KnownDefect, ...] = (
     KnownDefect(
@@ -286,6 +289,94 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "get_num_new_matched_tokens (L1360; skip_reading_prefix_cache is never "
         "read)",
         connector="LMCacheConnectorV1", vllm=">=0.26,<0.33", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-mp-skip-reading",
+        "a request that must not read cached KV (prompt_logprobs, "
+        "skip_reading_prefix_cache) is served from LMCache's server: vLLM "
+        "0.26/0.28's scheduler uses the connector's answer as is",
+        r"test_request_that_must_not_read_cached_kv_gets_a_miss",
+        r"the connector ignores Request\.skip_reading_prefix_cache",
+        "H100, vLLM 0.26.0, lmcache 0.5.3 (2026-12-05): a stored 521-token "
+        "prompt replayed with prompt_logprobs started with 512 tokens counted "
+        "as computed",
+        _LMC_MP + "get_num_new_matched_tokens L1030-L1100 (never reads "
+        "skip_reading_prefix_cache); vLLM 0.26.0 scheduler.py L764-L780 takes "
+        "the answer as is (vLLM 0.33.0 guards it itself, scheduler.py L1143)",
+        connector="LMCacheMPConnector", vllm=">=0.26,<0.33",
+        package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-mp-finished-after-free",
+        "LMCache's MP connector names a request in finished_sending after vLLM "
+        "freed it (aborted while its load ran, or failed under "
+        "kv_load_failure_policy=fail): vLLM's scheduler asserts and the engine "
+        "dies",
+        r"test_abort_leaves_nothing_behind|test_reported_load_failure_affects"
+        r"|test_contract_holds_over_explored_event_sequences",
+        r"_update_from_kv_xfer_finished\): assert req_id in self\.requests",
+        "H100, vLLM 0.26.0, lmcache 0.5.3 (2026-12-05): req-90 aborted while "
+        "WAITING_FOR_REMOTE_KVS; vLLM freed it at its finished_recving, then "
+        "get_finished named it in finished_sending (scheduler.py L2639); req-105, "
+        "failed under policy fail, the same one step later (L2648)",
+        _LMC_MP + "request_finished L1261 (returns True for every request, "
+        "whether a store was sent or not); vllm_multi_process_adapter.py "
+        "L1523-L1540, L1603 (finished stores minus finished retrieves only "
+        "within one call, only when unhealthy)",
+        connector="LMCacheMPConnector",
+        link="https://github.com/LMCache/LMCache/issues/4938",
+        package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-mp-under-store",
+        "after vLLM's local prefix-cache hit (or a preemption) LMCache's MP "
+        "connector stores from token 0 as if nothing was cached: the chunks "
+        "past the local hit are never stored, so a later lookup matches fewer "
+        "chunks than the prompt filled",
+        r"test_shared_prefixes_every_load_bit_identical"
+        r"|test_block_hash_algorithm_keeps_hits_and_loads_exact"
+        r"|test_chunked_prefill_preempted_and_resumed|test_preemption_and_resume",
+        r"the connector matched \d+ \(local \+ matched = \d+\), the profile's "
+        r"hit_rule expects",
+        "H100, vLLM 0.26.0, lmcache 0.5.3 (2026-12-05): three 778-token prompts "
+        "sharing 512 tokens stored in one step; B and C got a 512-token local "
+        "hit, stored only [0, 256) again; their replays found 2 of 3 chunks "
+        "('2/3 retained keys' in the server log), 512 where 768 were filled; a "
+        "prefill preempted twice: 7 of 8 chunks",
+        _LMC_MP + "get_num_new_matched_tokens returns before L1089 records "
+        "num_vllm_hit_tokens when the lookup answers 0 (L1077) or the request "
+        "was preempted (L1064); GetStoreMetadata L394 then counts only the "
+        "scheduled tokens (related, not settled the same: LMCache/LMCache#3640)",
+        connector="LMCacheMPConnector", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-mp-dtype-key",
+        "LMCache's MP server keys a chunk by model name, world size, worker, "
+        "tokens and cache_salt: a model served with another dtype or KV cache "
+        "dtype reads the first one's KV",
+        r"test_another_model_on_one_store_gets_a_miss\[[^\]]*dtype\]",
+        r"its keys ignore the (model's dtype|KV cache dtype)",
+        "H100, vLLM 0.26.0, lmcache 0.5.3 (2026-12-05): the same checkpoint "
+        "served with --dtype bfloat16 'Retrieved 512 tokens' stored in float16; "
+        "with --kv-cache-dtype fp8 the server raised 'Size mismatch: memory_obj "
+        "nbytes=262144, gpu_buffer nbytes=131072' and the client never reported "
+        "the blocks as failed",
+        "lmcache 0.5.3 lmcache/v1/multiprocess/custom_types.py L41-L61 (the key "
+        "has no dtype); vllm_multi_process_adapter.py L1629-L1635 (a failed "
+        "retrieve only logged)",
+        connector="LMCacheMPConnector", package="lmcache>=0.5.3"),
+    KnownDefect(
+        "lmcache-mp-lora-key",
+        "LMCache's MP connector keys by token ids and cache_salt only: the same "
+        "prompt under another LoRA adapter hits the first adapter's KV",
+        r"test_tenant_isolation|test_contract_holds_over_explored_event_sequences"
+        r"\[tenants\]",
+        r"under another LoRA adapter|the connector ignores LoRA adapter"
+        r"|invariant 'no hit across tenants or adapters' broken",
+        "H100, vLLM 0.26.0, lmcache 0.5.3 (2026-12-05): the same 521 tokens "
+        "under another LoRA adapter matched 512 external tokens, expected 0",
+        "lmcache 0.5.3 lmcache/v1/multiprocess/custom_types.py L41-L61 (no "
+        "adapter in the key); open fix vllm-project/vllm#45549, LoRA-aware "
+        "keying LMCache/LMCache#2961",
+        connector="LMCacheMPConnector",
+        link="https://github.com/vllm-project/vllm/issues/44250",
+        package="lmcache>=0.5.3"),
     KnownDefect(
         "lmcache-prompt-embeds-typeerror",
         "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "

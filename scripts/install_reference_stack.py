@@ -29,7 +29,10 @@ import importlib.metadata as md
 import subprocess
 import sys
 
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv: pip's own copy reads requirements the same way
+    from pip._vendor.packaging.requirements import Requirement
 
 #: vLLM releases whose reference stack was installed and run here (CPU):
 #: 0.28.0 (torch 2.13.0) and 0.33.0 (torch 2.14.0); 0.26.0 (torch 2.11.0) is the
@@ -129,8 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     importlib.invalidate_caches()
     requires = md.requires("vllm") or []
     torch = torch_pin(requires)
-    print(f"vllm {version} pins torch=={torch} (from its package metadata)",
-          flush=True)
+    print(f"vllm {version} pins torch=={torch} (from its package metadata); "
+          "installing it: pip's resolver will then list vLLM's other requirements "
+          "(aiohttp, blake3, ...) as 'not installed' — expected, the next step "
+          "installs them", flush=True)
     pip(f"torch=={torch}")
     print("installing vLLM's requirements without the CUDA-only ones: pip's "
           "resolver will then say that vllm 'requires' flashinfer-python, "

@@ -172,6 +172,31 @@ def test_the_rerun_command_carries_the_runs_pythonpath() -> None:
     assert findings(tests, PROFILE, seed=7)[0]["rerun"].startswith("pytest ")
 
 
+def test_the_rerun_command_of_the_packaged_suite_names_its_folder(tmp_path) -> None:
+    """Run from the user's folder, the installed suite's node ids are relative to
+    its package: the rerun names the test's path there and that rootdir (a
+    fresh user's rerun gave 'file or directory not found: suites/...')."""
+    import shlex
+    import subprocess
+    import sys
+
+    from selftests.conftest import REPO_ROOT
+
+    tests = [_t("suites/level1/test_vllm_install.py::test_vllm_imports", "boom")]
+    got = findings(tests, PROFILE, seed=7, root=str(REPO_ROOT))[0]["rerun"]
+    words = shlex.split(got)
+    assert words[1:3] == [
+        f"{REPO_ROOT}/suites/level1/test_vllm_install.py::test_vllm_imports",
+        f"--rootdir={REPO_ROOT}"], got
+    # collected from elsewhere under that rootdir, the node id is the run's own
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+         "no:cacheprovider", *words[1:3]], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, check=False)
+    assert "suites/level1/test_vllm_install.py::test_vllm_imports" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+
+
 def test_the_rerun_command_keeps_the_runs_depth() -> None:
     """A red of a ``--tvc-depth=quick`` run reruns at that depth, with its
     explored-sequence count and volume where they were not the depth's own

@@ -405,7 +405,7 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
              require: Iterable[str] = (),
              versions: Mapping[str, str] | None = None,
              depth: Mapping[str, Any] | None = None,
-             pytest: str = "pytest") -> list[dict[str, Any]]:
+             pytest: str = "pytest", root: str = "") -> list[dict[str, Any]]:
     """The findings of a run, from its ``summary.json`` test entries.
 
     Args:
@@ -423,6 +423,10 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
             other than the default, an explored-sequence count or a volume other
             than the depth's own, stay in the rerun command.
         pytest: the pytest the rerun command calls (:func:`pytest_command`).
+        root: the run's rootdir when it is not the folder the run started in
+            (an installed suite run from the user's folder): the rerun names
+            the test by its path there and keeps that rootdir, so the node id
+            stays ``suites/<tier>/...`` (``[[known_failures]]`` globs on it).
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -443,7 +447,8 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
                       if d.matches(nodeid, msg, str(profile.get("connector") or ""),
                                    versions)), None)
         key = known.key if known else f"test:{nodeid}"
-        rerun = [pytest, nodeid]
+        rerun = ([pytest, f"{root.rstrip('/')}/{nodeid}", f"--rootdir={root}"]
+                 if root else [pytest, nodeid])
         if prof:
             rerun.append(f"--tvc-profile={prof}")
         if seed is not None:

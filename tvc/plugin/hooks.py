@@ -696,6 +696,9 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
     }
     rep = reporting.RunReport(run_dir, meta)
     rep.invocation_dir = config.invocation_params.dir
+    suites = config.stash.get(_SUITES_ONLY, None)
+    if suites is not None:  # the packaged suites, run from the user's folder:
+        rep.rerun_root = str(suites.parent)  # node ids are relative to it
     config.stash[_REPORT] = rep
     return rep
 

@@ -103,6 +103,8 @@ class RunReport:
         # the pytest of rerun commands, fixed where the run starts (a test may
         # change the working folder later)
         self.pytest = pytest_command(sys.executable, os.getcwd())
+        # the rootdir, where it is not the folder the run started in (findings)
+        self.rerun_root = ""
         self.stop: dict[str, str] = {}  # why the run stopped early (tvc.report.outcome)
         self.live = LiveReds(run_dir, f"profile {meta.get('profile', {}).get('name')}")
         self.running = ""  # node id of the test in progress ('' between tests)
@@ -219,7 +221,7 @@ class RunReport:
         found = findings([entry], self.meta.get("profile", {}), run.get("seed"),
                          os.environ.get("PYTHONPATH", ""), run.get("require") or (),
                          depth=run.get("depth"),
-                         pytest=self.pytest)
+                         pytest=self.pytest, root=self.rerun_root)
         return str(found[0]["rerun"]) if found else ""
 
     def would_skip(self) -> None:
@@ -321,7 +323,7 @@ class RunReport:
         summary["findings"] = findings(summary["tests"], prof, run.get("seed"),
                                        run["pythonpath"], run.get("require") or (),
                                        versions, run.get("depth"),
-                                       self.pytest)
+                                       self.pytest, self.rerun_root)
         run["outcome_reason"] = outcome_reason(summary)
         summary["scope"] = scope(summary, TIER_MARKERS)
         run["verdict"], run["verdict_why"] = headline(summary), verdict(summary)[1]

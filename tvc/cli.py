@@ -425,6 +425,15 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     if dry_run:
         print(f"certify: dry run: pytest would start in {cwd}")
         print(shlex.join(cmd))
+        if not selects(pytest_args):
+            from tvc.env.hardware import probe_profile
+
+            hw = probe_profile(prof)
+            if absent := [lvl for lvl in strict_levels(prof)
+                          if not hw["levels"].get(lvl)]:
+                print(f"certify: dry run: this box lacks {', '.join(absent)}: here a "
+                      "real run stops before any test (run it on a host that has "
+                      "them)")
         return 0
     sys.stdout.flush()
     t0 = time.monotonic()

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from tvc.contract.driver import external_hit
-from tvc.contract.faults import server_held_store
 from tvc.contract.invariants import (
     assert_hit_matches_rule,
     assert_untouched_outside,
@@ -397,6 +396,8 @@ def test_store_fault_is_reported_never_silent(make_rig, contract_profile, kind,
 
     ktc = dict(contract_profile.kv_transfer_config(), kv_load_failure_policy=policy)
     rig = make_rig(block_size=BLOCK_SIZE, kv_transfer_config=ktc)
+    from tvc.contract.faults import server_held_store
+
     inj = _fault_injector(contract_profile, rig)
     if inj is None and (server := server_held_store(contract_profile)):
         pytest.skip(

@@ -177,13 +177,20 @@ def fake_connector_site(tmp_path_factory) -> Path:
     src.mkdir()
     (src / "ok.c").write_text(GOOD_EXT % ("_ok_C", "_ok_C"))
     _gcc("-shared", "-fPIC", f"-I{inc}", str(src / "ok.c"), "-o", str(src / "ok.so"))
+    # each fails at dlopen, before its module init runs (which it names, as every
+    # extension module does: PyInit_<name>)
     (src / "abi.c").write_text(f"extern int {C10_SYMBOL}(void);\n"
-                               f"int tvc_calls(void) {{ return {C10_SYMBOL}(); }}\n")
+                               f"int tvc_calls(void) {{ return {C10_SYMBOL}(); }}\n"
+                               "void *PyInit__C(void) { return 0; }\n")
     _gcc("-shared", "-fPIC", str(src / "abi.c"), "-o", str(src / "abi.so"))
     # a CUDA extension: links libc10_cuda.so, which a CPU build of torch lacks
     (src / "c10cuda.c").write_text("int tvc_dep_value(void) { return 1; }\n")
     _gcc("-shared", "-fPIC", str(src / "c10cuda.c"), "-o", str(src / "libc10_cuda.so"))
-    (src / "cuda.c").write_text(NEEDS_LIB_EXT)
+    (src / "cuda.c").write_text(NEEDS_LIB_EXT
+                                + "void *PyInit_cuda_ops(void) { return 0; }\n")
+    # a plain shared library beside them (Mooncake ships libasio.so): no module
+    (src / "plain.c").write_text("int tvc_plain(void) { return 2; }\n")
+    _gcc("-shared", "-fPIC", str(src / "plain.c"), "-o", str(src / "libplain.so"))
     _gcc("-shared", "-fPIC", str(src / "cuda.c"), f"-L{src}", "-lc10_cuda", "-o",
          str(src / "cuda.so"))
     (src / "libc10_cuda.so").unlink()
@@ -194,6 +201,7 @@ def fake_connector_site(tmp_path_factory) -> Path:
         f"tvcfakeconn/ops/_C{SUFFIX}": (src / "abi.so").read_bytes(),
         "tvcfakeconn/ops/__init__.py": "",
         f"tvcfakeconn/cuda_ops{SUFFIX}": (src / "cuda.so").read_bytes(),
+        "tvcfakeconn/libplain.so": (src / "libplain.so").read_bytes(),
         # another Python's build: not this interpreter's to load
         "tvcfakeconn/_x.cpython-39-x86_64-linux-gnu.so": b"",
     }, requires=(BUILT_FOR, "numpy"))
@@ -235,7 +243,8 @@ def test_connector_extension_with_a_torch_abi_mismatch_fails_level1(
         assert "tvcfakeconn.cuda_ops (tvcfakeconn 1.2.3) is a CUDA extension: it " \
             "links libc10_cuda.so" in cuda["message"], cuda["message"]
         assert "no CUDA GPU" in cuda["message"], cuda["message"]
-    assert len(run.summary["tests"]) == 3, run.tail()  # the cpython-39 file is not
+    # neither the cpython-39 file nor the plain library is a module to import
+    assert len(run.summary["tests"]) == 3, run.tail()
 
 
 def test_connector_extensions_named_in_the_profile_are_the_ones_loaded(

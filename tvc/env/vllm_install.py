@@ -225,11 +225,32 @@ def connector_extensions(profile: Any) -> dict[str, str]:
         top = set((dist.read_text("top_level.txt") or "").split())
         for f in dist.files or ():
             name = extension_module(Path(str(f)))
-            if name and (named or not top or name.split(".")[0] in top):
+            if name and (named or not top or name.split(".")[0] in top) and (
+                    named or defines_module_init(Path(str(dist.locate_file(f))))):
                 out[name] = label
     if named:  # the profile's list decides which; the files name the origin
         return {n: out.get(n, "") for n in named}
     return dict(sorted(out.items()))
+
+
+def defines_module_init(path: Path) -> bool:
+    """Whether a shared object is a Python extension module (it names ``PyInit_``).
+
+    A package may ship plain shared libraries beside its extensions (Mooncake's
+    ``libasio.so``, ``libetcd_wrapper.so``): ``import`` refuses them ("dynamic
+    module does not define module export function"), a false red; they load as
+    the dependencies of the extensions that link them. A file that cannot be
+    read counts as an extension (its import then says what is wrong).
+    """
+    import mmap
+
+    symbol = b"PyInit_" + path.name.split(".")[0].encode()
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0,
+                                             access=mmap.ACCESS_READ) as m:
+            return m.find(symbol) >= 0
+    except (OSError, ValueError):
+        return True
 
 
 def built_for_torch(module: str) -> str:

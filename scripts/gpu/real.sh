@@ -7,6 +7,9 @@
 #   scripts/gpu/real.sh lmcache   contract [cuda] + e2e of profile lmcache
 #   scripts/gpu/real.sh mp        level1 + contract + e2e of profile lmcache-mp
 #   scripts/gpu/real.sh harness   the worker-harness self-tests on CUDA (forward context)
+#   scripts/gpu/real.sh mc-setup  install .whl-mc (mooncake-transfer-engine-cuda13 and
+#                                 libibverbs with its libnl, which the host lacks)
+#   scripts/gpu/real.sh mooncake  level1 + contract + e2e of profile mooncake-store
 # Needs `scripts/gpu/session.sh setup` first (the vLLM bundle in /root/vllm-bundle).
 # Done when: lmcache is refused with LMCache#4463 named by both the
 # contract and the e2e tier (finding lmcache-packed-kv-corruption in each run's
@@ -47,7 +50,7 @@ pack() {
   tar -C "$RESULTS" -czf "$OUT/results-real-$1.tgz" . && echo "packed $OUT/results-real-$1.tgz"
 }
 
-case ${1:?phase: setup, lmcache, mp or harness} in
+case ${1:?phase: setup, lmcache, mp, harness, mc-setup or mooncake} in
   setup)
     ls .whl-real/*.whl || { echo "no .whl-real/*.whl: carry .whl-real"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -68,6 +71,21 @@ case ${1:?phase: setup, lmcache, mp or harness} in
     pt mp-e2e -m e2e --tvc-profile lmcache-mp --tvc-require gpu \
       -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
     pack mp
+    ;;
+  mc-setup)
+    ls .whl-mc/*.whl || { echo "no .whl-mc/*.whl: carry .whl-mc"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site-real .whl-mc/*.whl || exit 1
+    mkdir -p /tmp/site-real-lib && cp -a .whl-mc/lib/. /tmp/site-real-lib/
+    python3 -c "import mooncake.store; print('mooncake.store imports')" || exit 1
+    command -v mooncake_master || { echo "mooncake_master is not on PATH"; exit 1; }
+    ;;
+  mooncake)
+    pt mc-level1 -m level1 --tvc-profile mooncake-store --tvc-require gpu
+    pt mc-contract -m contract -k "cuda" --tvc-profile mooncake-store --tvc-require gpu
+    pt mc-e2e -m e2e --tvc-profile mooncake-store --tvc-require gpu \
+      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
+    pack mooncake
     ;;
   harness)
     pt harness selftests/contract/test_forward_context.py \

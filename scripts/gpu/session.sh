@@ -9,6 +9,9 @@
 #                                     "example cpu-offload"), one after the other, 280 s each at most
 #   scripts/gpu/session.sh large      trace tier of cpu-offload-large (GPU cache pressure)
 #   scripts/gpu/session.sh controls   the e2e negative controls (each must see its bad connector)
+#   scripts/gpu/session.sh claims     the store tiers on the reference store (lab-disk) and on
+#                                     one that claims direct I/O through the page cache (must
+#                                     be red on that claim, its figures never "direct")
 # Each pytest run writes its run folder under $RESULTS; everything is packed into
 # $OUT/results-<phase>.tgz (one file) and each run's last line is printed.
 # The tiers/trace/rerun/final phases keep one pytest run with vLLM servers at a time
@@ -47,7 +50,7 @@ build_profile() {  # a copy of the example profile with the build preflight on
   printf '\n[build]\npreflight = true\nmin_free_gib = 20.0\n' >>"$RESULTS/example-build.toml"
 }
 
-case ${1:?phase: setup, tiers, trace, rerun, final, certify, large or controls} in
+case ${1:?phase: setup, tiers, trace, rerun, final, certify, large, controls or claims} in
   setup)
     bash .bundle/unpack.sh "$STAGE" /root/vllm-bundle || exit 1
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -118,6 +121,15 @@ case ${1:?phase: setup, tiers, trace, rerun, final, certify, large or controls} 
     pt e2e-negative selftests/e2e/test_negative_control.py \
       selftests/e2e/test_concurrency_negative_control.py \
       selftests/e2e/test_load_failure_negative_control.py --tvc-require gpu
+    ;;
+  claims)  # a store's claims are measured: the reference passes, the liar is red
+    sed -e 's/^name = "lab-disk"/name = "lab-disk-claims-direct"/' \
+      -e 's|^factory = .*|factory = "selftests.real_nvme.lying_stores:open_claims_direct_store"|' \
+      tvc/data/profiles/lab-disk.toml >"$RESULTS/lab-disk-claims-direct.toml"
+    pt store -m "real_nvme or bandwidth" --tvc-profile lab-disk --tvc-require nvme
+    pt store-claims-direct -m "real_nvme or bandwidth" \
+      --tvc-profile="$RESULTS/lab-disk-claims-direct.toml" --tvc-require nvme
+    grep -h -E 'direct_io|reports direct_io=True' "$RESULTS"/store*.log | head -5
     ;;
   *) echo "unknown phase $1"; exit 2 ;;
 esac

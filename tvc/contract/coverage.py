@@ -1,31 +1,12 @@
 """Coverage of the connector API and of KV-relevant settings, derived from vLLM.
 
-What a connector may be asked, and what may change the KV it reads or writes, is
-read from the *installed* vLLM at run time, never from a list written once:
-
-- ``api``: every public method and property of the connector base classes
-  (``KVConnectorBase_V1``, ``SupportsHMA``, ``KVConnectorWorkerMetadata``,
-  ``KVConnectorStats``, ``KVConnectorKVEvents``), each with its ``file:line``;
-- ``request``: every field of ``SamplingParams``, ``Request``,
-  ``EngineCoreRequest`` and the OpenAI ``CompletionRequest``;
-- ``config``: every field of ``ModelConfig``, ``CacheConfig``, ``ParallelConfig``
-  and ``KVTransferConfig``;
-- ``layer``: every ``KVCacheSpec`` subclass (the layer kinds a model registers).
-
-The suite's own knowledge is two curated tables: :data:`CURATED` (the entries
-that matter, each with the reason, the expectation — a miss, identical output or
-a clean refusal naming the key, never wrong KV — and the tests that exercise it)
-and :data:`REVIEWED_NOT_KV` (fields read and judged not to change which KV a
-request may read or write, nor a block's bytes, nor which blocks a rank owns).
-An API method in neither, or a field in neither, is reported as
-``new in this vLLM: not yet covered``.
-
-The run records what it exercised with a meaningful input through
-:class:`CoverageLog` (one per rig; the driver and the worker harness wrap the
-connector's methods and judge each call's input, see :data:`MEANINGFUL`); the
-contract fixtures hand each test's log to the report as the property
-``tvc_coverage``; :func:`coverage_table` turns the union into the table written
-to ``summary.json`` (``coverage``) and the summary page.
+:func:`inventory` reads from the *installed* vLLM every connector API member
+(``api``), request field (``request``), engine setting (``config``) and
+``KVCacheSpec`` kind (``layer``); :data:`CURATED` and :data:`REVIEWED_NOT_KV`
+hold what the suite knows, anything else is :data:`NEW`. A
+:class:`CoverageLog` per rig records meaningful calls (:data:`MEANINGFUL`);
+:func:`coverage_table` turns the tests' ``tvc_coverage`` properties into the
+table of ``summary.json``. Read docs/coverage.md.
 """
 
 from __future__ import annotations
@@ -56,13 +37,10 @@ class Owner:
 
     Attributes:
         kind: ``api``, ``request``, ``config`` or ``layer``.
-        module: the module that defines it.
-        name: the class name.
-        members: how members are listed: ``methods`` (public attributes of the
-            class body), ``struct`` (msgspec ``__struct_fields__``), ``init``
+        members: how members are listed: ``methods`` (public class-body
+            attributes), ``struct`` (msgspec ``__struct_fields__``), ``init``
             (``__init__`` parameters), ``pydantic`` (``model_fields``),
-            ``dataclass`` (``dataclasses.fields``), ``subclasses`` (the class's
-            subclasses, recursively).
+            ``dataclass`` (``dataclasses.fields``), ``subclasses`` (recursive).
 
     """
 
@@ -101,11 +79,7 @@ class Member:
 
     Attributes:
         key: ``<kind>:<Owner>.<name>`` (``layer:<SpecClass>`` for layer kinds).
-        kind: see :class:`Owner`.
-        owner: the owning class name.
-        name: the member name.
-        source: ``vllm/<path>:<line>`` where the installed vLLM defines it
-            (``?`` where the source cannot be read).
+        source: ``vllm/<path>:<line>`` of its definition (``?`` if unreadable).
         obj: the attribute itself (``api`` only), for override checks.
 
     """
@@ -135,15 +109,10 @@ def _func_of(attr: Any) -> Any:
 
 
 def source_of(obj: Any) -> str:
-    """``vllm/<path>:<line>`` of a function or class, or ``?``.
+    """``vllm/<path>:<line>`` of a function, property or class, or ``?``.
 
-    Args:
-        obj: a function, property, classmethod or class.
-
-    Returns:
-        the path relative to the ``vllm`` package and the first line of the
-        definition (decorators included, as :func:`inspect.getsourcelines`).
-
+    The line is the definition's first, decorators included
+    (:func:`inspect.getsourcelines`).
     """
     fn = inspect.unwrap(_func_of(obj))
     try:
@@ -155,12 +124,7 @@ def source_of(obj: Any) -> str:
 
 
 def _field_lines(cls: type) -> dict[str, int]:
-    """Line of each ``name:`` annotation in ``cls``'s body (and its bases').
-
-    Returns:
-        field name -> absolute line number in the class's source file.
-
-    """
+    """Field name -> source line of its annotation in ``cls`` (and its bases)."""
     import ast
     import textwrap
 
@@ -211,14 +175,10 @@ def _cls_file(cls: type) -> str:
 def inventory(owners: Iterable[Owner] = OWNERS) -> list[Member]:
     """Every member of ``owners`` as the installed vLLM defines it.
 
-    Args:
-        owners: the classes to list (default :data:`OWNERS`).
-
     Returns:
         one :class:`Member` per public method/property (``api``), field
         (``request``, ``config``) or subclass (``layer``), in source order where
-        vLLM has one. An owner the installed vLLM lacks gives one member named
-        ``*`` whose source says so.
+        vLLM has one; an owner vLLM lacks gives one member ``*`` saying so.
 
     """
     import dataclasses
@@ -280,13 +240,11 @@ class Curated:
     """What the suite knows about one entry.
 
     Attributes:
-        reason: why it matters (what KV it selects, what bytes it changes, what
-            vLLM does with it).
-        expectation: what must hold when it is exercised (a miss, identical
-            output, a clean refusal naming the key; never wrong KV).
-        tests: where it is exercised (test names; ``""`` = no test yet).
-        needs: the log key(s) the run must record for the entry to count as
-            exercised with a meaningful input (default: the entry's own key).
+        reason: why it matters (what KV it selects or bytes it changes).
+        expectation: what must hold when exercised (a miss, identical output, a
+            clean refusal naming the key; never wrong KV).
+        tests: where it is exercised (``""`` = no test yet).
+        needs: the log key(s) that count as exercising it (default: its own key).
 
     """
 
@@ -887,18 +845,17 @@ class CoverageLog:
 
     Attributes:
         hits: entry key -> short notes of the inputs seen (at most a few).
-        connector_cls: ``module.Class`` of the connector (for override checks).
+        connector_cls: ``module.Class`` of the connector.
         overrides: base-class API entries the connector class overrides.
-        stats: every ``get_kv_connector_stats`` answer, as ``(side, step, obj)``.
+        stats: every ``get_kv_connector_stats`` answer, ``(side, step, obj)``.
         events: every ``take_events`` / ``get_kv_connector_kv_cache_events``
-            answer, as ``(side, step, list_of_events)``.
+            answer, ``(side, step, list_of_events)``.
         step: the engine step now running (set by the driver).
         loading: whether a request with an external hit is pending this step.
         preempted: whether this step's scheduler output preempted a request.
-        calls: the connector calls running now, outermost first, as
-            ``(side, Class.method, requests)`` (what the driver's watchdog
-            names when a call never returns).
-        hma: the connector is a ``SupportsHMA`` (vLLM then calls
+        calls: connector calls running now, outermost first, ``(side,
+            Class.method, requests)`` (named by the driver's watchdog).
+        hma: a ``SupportsHMA`` connector (vLLM then calls
             ``request_finished_all_groups``, never ``request_finished``).
 
     """
@@ -928,21 +885,13 @@ class CoverageLog:
 
     # --------------------------------------------------------------- wrapping
     def attach(self, connector: Any, side: str) -> None:
-        """Wrap ``connector``'s API methods so each call is recorded.
+        """Wrap ``connector``'s API methods (on the instance) so each call is recorded.
 
-        A wrapper with an ``inner`` connector (the suite's fault injector) is
-        seen through: the inner connector is recorded. Every public
-        ``KVConnectorBase_V1`` / ``SupportsHMA`` method the instance has is
-        replaced on the instance by a wrapper that calls it,
-        then records ``api:<Owner>.<method>`` when :data:`MEANINGFUL` (default:
-        any call) accepts the input. ``take_events`` answers are materialised
-        into a list (vLLM iterates them once either way); stats and event
-        answers are kept on :attr:`stats` / :attr:`events` for the checks.
-
-        Args:
-            connector: a scheduler- or worker-role connector.
-            side: ``scheduler`` or ``worker`` (for the notes).
-
+        A wrapper with an ``inner`` connector (the fault injector) is seen through.
+        A call records ``api:<Owner>.<method>`` when :data:`MEANINGFUL` (default: any
+        call) accepts it; ``take_events`` answers are materialised into a list, and
+        stats and event answers kept on :attr:`stats` / :attr:`events`. ``side`` is
+        ``scheduler`` or ``worker``.
         """
         if connector is None or getattr(connector, "_tvc_coverage", None) is self:
             return
@@ -1029,13 +978,8 @@ class CoverageLog:
     def note_construction(self, scheduler: Any) -> None:
         """Record the connector members vLLM's ``Scheduler.__init__`` uses.
 
-        Read from the installed scheduler's source: every
-        ``self.connector.<member>`` in ``__init__`` (e.g. ``bind_gpu_block_pool``,
-        ``requires_kv_delivery``) ran when the rig built the scheduler.
-
-        Args:
-            scheduler: vLLM's ``Scheduler`` with its connector.
-
+        Every ``self.connector.<member>`` in the installed scheduler's ``__init__``
+        source (e.g. ``bind_gpu_block_pool``) ran when the rig built it.
         """
         import re
 
@@ -1052,12 +996,7 @@ class CoverageLog:
                 self.hit(key, "Scheduler.__init__")
 
     def note_request(self, request: Any) -> None:
-        """Record the KV-relevant request fields ``request`` carries.
-
-        Args:
-            request: a ``vllm.v1.request.Request`` added to the scheduler.
-
-        """
+        """Record the KV-relevant fields a ``vllm.v1.request.Request`` carries."""
         self.hit("request:Request.prompt_token_ids",
                  f"{len(request.prompt_token_ids or ())} tokens")
         if getattr(request, "cache_salt", None) is not None:
@@ -1141,11 +1080,7 @@ def merge_logs(logs: Iterable[CoverageLog]) -> dict[str, Any]:
 
 
 def _snapshot(obj: Any) -> Any:
-    """A copy of a stats answer as it was returned (vLLM aggregates into it).
-
-    Falls back to the object itself where it does not pickle (the stats check
-    then reports that).
-    """
+    """A pickled copy of a stats answer (vLLM aggregates into it), else the object."""
     import pickle
 
     if obj is None:
@@ -1181,15 +1116,8 @@ _API_CACHE: dict[str, Member] | None = None
 def overridden(cls: type, api: Mapping[str, Member] | None = None) -> set[str]:
     """API entries ``cls`` defines itself (not inherited from vLLM's base).
 
-    Args:
-        cls: a connector class.
-        api: :func:`api_members` (computed if None).
-
-    Returns:
-        keys of ``KVConnectorBase_V1`` / ``SupportsHMA`` members whose attribute
-        on ``cls`` differs from the base class's (an abstract HMA method counts
-        as implemented when ``cls`` is a ``SupportsHMA``).
-
+    Returns keys of ``KVConnectorBase_V1`` / ``SupportsHMA`` members whose
+    attribute differs from the base's (``api``: :func:`api_members` if None).
     """
     api = api_members() if api is None else api
     out: set[str] = set()
@@ -1210,8 +1138,9 @@ def coverage_table(logs: Iterable[Mapping[str, Any]],
 
     Args:
         logs: every test's ``tvc_coverage`` property
-            (:meth:`CoverageLog.as_property`).
-        members: :func:`inventory` (computed from the installed vLLM if None).
+            (:meth:`CoverageLog.as_property`), optionally with the plugin's
+            ``test`` and ``outcome``.
+        members: :func:`inventory` (from the installed vLLM if None).
 
     Returns:
         ``{"rows": [...], "reviewed_not_kv": {owner: [count, reason]},
@@ -1219,11 +1148,8 @@ def coverage_table(logs: Iterable[Mapping[str, Any]],
         "counts": {...}}``; each row has ``key``, ``kind``, ``owner``, ``name``,
         ``source``, ``status`` (``exercised``, ``not exercised`` or :data:`NEW`),
         ``overridden`` (API rows: bool), ``reason``, ``expectation``, ``tests``,
-        ``inputs`` (notes of the inputs seen), ``failed_in`` (request rows:
-        tests that sent the field and failed or xfailed).
-
-    Each log may carry ``test`` and ``outcome`` (added by the plugin from the
-    test's report).
+        ``inputs`` (notes), ``failed_in`` (request rows: tests that sent the field
+        and failed or xfailed).
 
     """
     members = inventory() if members is None else members
@@ -1329,12 +1255,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 def _requests_of(args: tuple[Any, ...]) -> str:
-    """The request(s) a connector call is about, from its arguments ('' if none).
-
-    A ``Request`` (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
-    ``request_finished``), a set of request ids (``get_finished``), or a
-    ``SchedulerOutput`` (``build_connector_meta``: the requests it schedules).
-    """
+    """The request(s) a connector call is about, from its arguments ('' if none)."""
     if not args:
         return ""
     a = args[0]

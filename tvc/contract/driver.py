@@ -61,19 +61,14 @@ _WRAPPERS = {"_connector_finished": "request_finished"}
 def connector_call(exc: BaseException) -> tuple[str, str]:
     """Which connector method an engine-step exception comes from, and what to do.
 
-    Walks the traceback from the innermost frame out: a frame of a
-    ``KVConnectorBase_V1`` method on a connector object means the method raised; a
-    vLLM line that calls ``connector.<method>(`` means vLLM failed on what the
-    method returned (e.g. unpacking ``request_finished``'s ``None``).
-
-    Args:
-        exc: the exception that escaped ``schedule`` / the worker step /
-            ``update_from_output``.
+    Walks the traceback innermost out: a ``KVConnectorBase_V1`` method frame on a
+    connector means the method raised; a vLLM line calling ``connector.<method>(``
+    means vLLM failed on what it returned (e.g. ``request_finished``'s ``None``).
 
     Returns:
-        ``(where, advice)``: ``where`` is ``""`` or ``" inside Cls.method
-        (file:line)"`` / ``" in vLLM's use of what connector.method() returned
-        (file:line: source)"``; ``advice`` is one sentence for that case.
+        ``(where, advice)``: ``where`` is ``""``, ``" inside Cls.method
+        (file:line)"`` or ``" in vLLM's use of what connector.method() returned
+        (file:line: source)"``; ``advice`` one sentence for that case.
 
     """
     try:
@@ -109,18 +104,10 @@ def stuck_message(what: str, running: str, seconds: float, frame: Any,
                   outer: bool) -> str:
     """The failure of a connector call (or engine step) that never returned.
 
-    Args:
-        what: the block that was bounded (``engine step 5 (schedule ...)``).
-        running: the connector call running then (``Cls.method (scheduler
-            side, request req-3)``), or ''.
-        seconds: the bound that ran out.
-        frame: the frame that was running (where the call was stopped).
-        outer: the test's own time limit (pytest-timeout) ran out first.
-
-    Returns:
-        one paragraph: what, which call, where it was stopped, why it must
-        return and the bound's profile key.
-
+    One paragraph: ``what`` was bounded (``engine step 5 (schedule ...)``), the
+    call ``running`` then (or ''), where ``frame`` was stopped, why it must
+    return, and the bound's profile key (``seconds``, s; ``outer``: the test's
+    pytest-timeout ran out first).
     """
     limit = (f"the test's time limit (pytest-timeout, connector.test_timeout_s) "
              f"ran out {seconds:g} s into it" if outer else
@@ -142,14 +129,10 @@ def stuck_message(what: str, running: str, seconds: float, frame: Any,
 def connector_assert(exc: AssertionError) -> str:
     """Where an assert failed, when it failed in the connector's own code.
 
-    The frame that raised is a method (or helper) of a ``KVConnectorBase_V1``
-    outside this suite (the suite's fault wrapper is one too): the connector's
-    internal check, which must never read like a check of this suite.
-
-    Returns:
-        "the connector's own assert failed in Cls.method (file:line: source):
-        message — ..." or '' (raised elsewhere: a check of this suite, vLLM).
-
+    Returns "the connector's own assert failed in Cls.method (file:line:
+    source): message — ..." where the raising frame belongs to a
+    ``KVConnectorBase_V1`` outside this suite, else '' (a check of this suite, or
+    vLLM).
     """
     import os
 
@@ -179,12 +162,7 @@ def connector_assert(exc: AssertionError) -> str:
 
 
 def _connector_frame(frame: Any) -> Any:
-    """The innermost frame running the connector's own code (None: none).
-
-    A frame whose ``self`` is a ``KVConnectorBase_V1`` (its method or helper),
-    walking out from ``frame``: where a loop in the connector was stopped, even
-    inside a library call it makes.
-    """
+    """The innermost frame whose ``self`` is a ``KVConnectorBase_V1``, walking out."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorBase_V1,
@@ -212,19 +190,17 @@ REAL_WORKER_ONLY = "real-only"
 class WorkerSide(Protocol):
     """What the driver needs of a worker side, real or stand-in.
 
-    Implemented by :class:`~tvc.contract.worker.ConnectorWorker` (the connector's
-    own worker side on real KV tensors), :class:`~tvc.contract.worker.JobAckWorker`
-    and :class:`~tvc.contract.standins.HookWorker` (stand-ins that report what
-    the scheduler planned), and the TP / PP harnesses of :mod:`tvc.contract.tp`.
+    Implemented by :class:`~tvc.contract.worker.ConnectorWorker`,
+    :class:`~tvc.contract.worker.JobAckWorker`,
+    :class:`~tvc.contract.standins.HookWorker` and the harnesses of
+    :mod:`tvc.contract.tp`.
     """
 
     def execute(self, so: Any, meta: Any) -> Any:
         """One model-runner step for scheduler output ``so`` and connector metadata.
 
-        Returns:
-            the step's ``KVConnectorOutput`` (``finished_sending``,
-            ``finished_recving``, ``invalid_block_ids``...), or None.
-
+        Returns the step's ``KVConnectorOutput`` (``finished_sending``,
+        ``finished_recving``, ``invalid_block_ids``...), or None.
         """
         ...
 
@@ -236,13 +212,8 @@ class NoWorkerHere(RuntimeError):  # noqa: N818 - reads as the reason
 def no_worker_message(reason: str) -> str:
     """The error for a rig where the connector's worker side cannot run.
 
-    Args:
-        reason: why no real worker runs (rig device and ``worker_devices``).
-
-    Returns:
-        one paragraph naming the reason and the two fixes; it never says the
-        connector leaks or loses anything (it never ran).
-
+    One paragraph naming ``reason`` (rig device and ``worker_devices``) and the
+    two fixes; it never says the connector leaks or loses anything.
     """
     return (f"no worker ran: {reason} — connector.worker_devices lists no device "
             "this rig runs on, so the connector's worker side (its saves, loads "
@@ -255,15 +226,8 @@ def no_worker_message(reason: str) -> str:
 def worker_device(worker_devices: Sequence[str], cuda_here: bool) -> str:
     """The device of a rig that is not a device variant: where the worker runs.
 
-    Args:
-        worker_devices: the profile's ``connector.worker_devices``.
-        cuda_here: torch sees a CUDA device.
-
-    Returns:
-        ``"cpu"`` when the worker runs on CPU (or nowhere here), ``"cuda"`` for a
-        CUDA-only worker on a box with a GPU (its real worker runs there instead
-        of no worker on CPU).
-
+    ``"cpu"`` when the worker runs on CPU (or nowhere here); ``"cuda"`` for a
+    CUDA-only worker where ``cuda_here``.
     """
     if "cpu" in worker_devices or not (cuda_here and "cuda" in worker_devices):
         return "cpu"
@@ -299,60 +263,43 @@ DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 class EngineDriver:
     """Run the scheduler and a worker the way ``EngineCore.step`` does.
 
+    A step longer than :attr:`call_timeout_s` (s, ``connector.call_timeout_s``)
+    is stopped by :func:`tvc.core.watchdog.deadline`
+    (:class:`~tvc.core.watchdog.Stuck` names step, stage, call and line). An
+    exception inside a step (an ``AssertionError`` only from the connector's own
+    code; never the rig's errors below) becomes :class:`EngineStepError` naming
+    step and stage.
+
     Attributes:
         scheduler: vLLM's ``Scheduler`` (with ``.connector``).
         worker: :class:`ConnectorWorker`, :class:`JobAckWorker` or None (then
-            the worker kind is chosen from the first metadata seen).
-        serialize: send each step's connector metadata through
-            :func:`round_trip` (as the multiprocess executor does).
-        matched: request id -> every answer of ``get_num_new_matched_tokens``:
-            (local computed tokens vLLM passed in, tokens returned, async flag).
-        before_worker: optional ``callable(scheduler_output)`` run after
-            ``schedule()`` (the connector's lookup) and before the worker step
-            (its load): where a fault scenario touches the store.
-        num_steps: engine steps run.
-        match_steps: request id -> the step of each ``get_num_new_matched_tokens``
-            answer (parallel to :attr:`matched`).
-        on_match: optional ``callable(request, local, matched, is_async)`` run
-            on every answer, after the built-in bounds (a scenario's own check).
-        worker_report: the profile's ``connector.worker_report`` ("" or
-            ``"standin"`` when no declared stand-in was built).
-        no_worker_reason: why no real worker runs (for the error below).
-        on_no_worker: optional ``callable(message)`` called instead of raising
-            :class:`NoWorkerHere` (a fixture turns "the worker needs a GPU this
-            box lacks" into one hardware skip); returning falls back to raising.
-        added: every request added, in order (their block hashes and tokens
-            are what the connector may report as stored).
-        coverage: what this driver exercised (:class:`CoverageLog`): every
-            connector call judged by its input, every request's KV-relevant
-            fields; the stats and events answers for the checks.
-        scheduler_only: the test drives the scheduler side only, on purpose.
-            With no worker at all the driver then answers what a worker would
-            (no bytes moved): ``finished_sending`` for a request whose
-            ``request_finished`` returned ``delay_free_blocks=True`` in the
-            step after it finished, ``finished_recving`` for an asynchronous
-            load in the step after its admission. Without it a rig left with
-            no worker is an error (:class:`NoWorkerHere`).
-        worker_metas: every non-empty ``KVConnectorOutput.kv_connector_worker_meta``
-            the worker side returned, in step order (what ``update_from_output``
-            handed the scheduler's ``update_connector_output``).
-
-    A step that runs longer than :attr:`call_timeout_s` (the profile's
-    ``connector.call_timeout_s``) is stopped by a watchdog
-    (:func:`tvc.core.watchdog.deadline`): :class:`~tvc.core.watchdog.Stuck`
-    names the step, the stage, the connector call running and the line it was
-    stopped at.
-
-    An exception other than ``AssertionError`` raised inside a step is re-raised
-    as :class:`EngineStepError` naming the step and the stage (schedule, worker,
-    update_from_output): a connector reports failures through vLLM's
-    interface, never by raising out of the engine step. The rig's own errors
-    pass through unchanged:
+            chosen from the first metadata seen).
+        serialize: send each step's metadata through :func:`round_trip` (as the
+            multiprocess executor does).
+        matched: request id -> every ``get_num_new_matched_tokens`` answer:
+            (local computed tokens passed in, tokens returned, async flag).
+        before_worker: ``callable(scheduler_output)`` run between ``schedule()``
+            (the lookup) and the worker step (the load).
+        match_steps: request id -> the step of each answer (parallel to
+            :attr:`matched`).
+        on_match: ``callable(request, local, matched, is_async)`` run on every
+            answer after the built-in bounds.
+        worker_report: ``connector.worker_report`` ("" or ``"standin"`` when no
+            declared stand-in was built).
+        on_no_worker: ``callable(message)`` called before raising
+            :class:`NoWorkerHere` (a fixture turns it into a hardware skip).
+        added: every request added, in order.
+        coverage: what this driver exercised (:class:`CoverageLog`).
+        scheduler_only: the test drives the scheduler side only: with no worker,
+            the driver acknowledges ``finished_sending`` / ``finished_recving``
+            one step later (no bytes moved); without it no worker is an error.
+        worker_metas: every non-empty ``kv_connector_worker_meta`` the worker
+            side returned, in step order.
 
     Raises:
-        WorkerReportMissing: (from :meth:`step`) the connector publishes
-            residency through worker metadata and neither a real worker nor a
-            stand-in reports it (see :mod:`tvc.contract.standins`).
+        WorkerReportMissing: (from :meth:`step`) worker metadata publishes
+            residency and neither a real worker nor a stand-in reports it
+            (:mod:`tvc.contract.standins`).
         WorkerReportError: a declared stand-in failed.
         NoWorkerHere: no worker of any kind can run for this rig.
 
@@ -406,8 +353,7 @@ class EngineDriver:
         """Add requests to the scheduler (``EngineCore.add_request``).
 
         Raises:
-            RigPlanError: a request needs more than the rig's ``max_model_len``
-                (vLLM would never finish it; the test's plan is wrong).
+            RigPlanError: a request needs more than the rig's ``max_model_len``.
 
         """
         limit = self.scheduler.vllm_config.model_config.max_model_len
@@ -425,11 +371,9 @@ class EngineDriver:
             self.scheduler.add_request(r)
 
     def step(self) -> Any:
-        """One engine step: schedule, worker, update_from_output.
+        """Run one engine step (schedule, worker, update_from_output).
 
-        Returns:
-            the ``SchedulerOutput``.
-
+        Returns the ``SchedulerOutput``.
         """
         self.num_steps += 1
         self.coverage.step = self.num_steps
@@ -476,15 +420,10 @@ class EngineDriver:
                              self.coverage.running_call(), seconds, frame, outer)
 
     def _poison_async_loads(self) -> None:
-        """Poison the slots an asynchronous load must fill, when it starts.
+        """Poison ``[local, local + matched)`` of each asynchronous load as it starts.
 
-        (Synchronous loads are poisoned by the worker itself, before the step
-        that loads them, :meth:`ConnectorWorker.expect_loads`.) A request that
-        waits for remote KV (``WAITING_FOR_REMOTE_KVS``) after a non-zero
-        answer gets :data:`~tvc.contract.worker.POISON` in the token slots
-        ``[local, local + matched)`` of the blocks vLLM allocated it, once per
-        admission (again after a preemption): a slot the load never writes can
-        then never hold the stored pattern, or a harness mark, by chance.
+        Once per admission (again after a preemption); synchronous loads are
+        poisoned by the worker (:meth:`ConnectorWorker.expect_loads`).
         """
         poison = getattr(self.worker, "poison_blocks", None)
         if poison is None:
@@ -547,16 +486,7 @@ class EngineDriver:
         return compat.model_runner_output(req_ids, sampled, kv_out)
 
     def _acknowledge(self, so: Any) -> Any:
-        """What a worker reports, for a scheduler-only rig: transfers end at once.
-
-        Returns:
-            a ``KVConnectorOutput`` with ``finished_sending`` = the requests of
-            ``so.finished_req_ids`` whose ``request_finished`` delayed freeing
-            their blocks, and ``finished_recving`` = requests admitted with an
-            asynchronous load (waiting for remote KV) not yet acknowledged;
-            None when there is nothing to report.
-
-        """
+        """What a worker reports for a scheduler-only rig: transfers end at once."""
         from vllm.v1.outputs import KVConnectorOutput
         from vllm.v1.request import RequestStatus
 
@@ -573,21 +503,10 @@ class EngineDriver:
         return out
 
     def _fallback_worker(self, meta: Any) -> Any:
-        """The worker for a rig built without one, chosen from the first metadata.
+        """The worker for a rig built without one, from the first metadata (or None).
 
-        The built-in job-protocol stand-in where the metadata speaks it; None for
-        a connector that needs no worker report (its scheduler side reads the
-        store itself, e.g. ExampleConnector).
-
-        Raises:
-            WorkerReportMissing: the connector publishes residency through
-                worker metadata and nothing here can report it, while its
-                profile does not say that only the real worker can
-                (``connector.worker_report = "real-only"``: then the rig has
-                no worker here, as below).
-            NoWorkerHere: nothing can run the connector's worker side here and
-                the test is not a scheduler-only one.
-
+        Raises :class:`WorkerReportMissing` or :class:`NoWorkerHere` where a worker
+        report is needed and none can run here (``connector.worker_report``).
         """
         if JobAckWorker.applies_to(meta):
             return JobAckWorker(type(unwrap_metadata(meta)).__module__)
@@ -609,15 +528,7 @@ class EngineDriver:
         return None
 
     def _sync_loads(self, so: Any) -> dict[str, tuple[int, int]]:
-        """Synchronous external loads of this step's new requests.
-
-        Returns:
-            request id -> ``(start, end)`` token range the connector must load
-            in this step (``end - start`` = its last definite answer for the
-            request, ``end`` = ``num_computed_tokens`` when scheduled); only
-            answers with ``load_kv_async=False`` and more than 0 tokens.
-
-        """
+        """Request id -> ``(start, end)`` tokens of this step's synchronous loads."""
         out: dict[str, tuple[int, int]] = {}
         for nr in so.scheduled_new_reqs:
             answers = [a for a in self.matched.get(nr.req_id, ())
@@ -631,12 +542,7 @@ class EngineDriver:
         return out
 
     def _wrap_connector(self) -> None:
-        """Record what the scheduler-side connector answers vLLM.
-
-        ``get_num_new_matched_tokens`` -> :attr:`matched` (local computed tokens
-        passed in, tokens returned, async flag); ``request_finished`` /
-        ``request_finished_all_groups`` -> :attr:`finished_returns`.
-        """
+        """Record the scheduler side's answers (``matched``, ``finished_returns``)."""
         c = self.connector
         if c is None or getattr(c, "_tvc_wrapped", False):
             return
@@ -675,15 +581,10 @@ class EngineDriver:
     def step_until_idle(self, step: Callable[[], object] | None = None) -> bool:
         """Step until no request is left, or until none progressed for a while.
 
-        A long workload is not a stall: the limit counts the steps in a row in
-        which no request computed a token or generated one and none left
-        (``max_steps``) and then also waits :attr:`min_stall_s` seconds from the
-        last progress (a receive ending on a background thread), with a hard cap
-        of ``20 * max_steps`` steps in all (a preemption loop that recomputes
-        forever).
-
-        Args:
-            step: the step function (default :meth:`step`).
+        Stalled: ``max_steps`` steps in a row without a token computed, generated or
+        a request leaving, and :attr:`min_stall_s` seconds since the last progress;
+        at most ``20 * max_steps`` steps in all (a preemption loop). ``step``
+        defaults to :meth:`step`.
 
         Returns:
             True when the scheduler emptied; False when it stalled.
@@ -712,21 +613,13 @@ class EngineDriver:
         return True
 
     def why_finished_stay(self, left: Iterable[str]) -> str:
-        """Why finished requests still hold their blocks, from what vLLM frees on.
+        """Why finished requests still hold their blocks, one sentence per cause.
 
-        vLLM frees a finished request's blocks at once unless either
-        ``request_finished`` returned ``delay_free_blocks=True`` (then at its
-        ``finished_sending``) or it finished while waiting for remote KV (then
-        at its ``finished_recving``: ``Scheduler.finish_requests`` and
-        ``_update_from_kv_xfer_finished``, vllm/v1/core/sched/scheduler.py,
-        0.26-0.33).
-
-        Args:
-            left: the finished requests still in the scheduler.
-
-        Returns:
-            one sentence per cause, joined by "; ".
-
+        vLLM frees them at once unless ``request_finished`` returned
+        ``delay_free_blocks=True`` (then at ``finished_sending``) or they finished
+        while waiting for remote KV (then at ``finished_recving``:
+        ``Scheduler.finish_requests``, ``_update_from_kv_xfer_finished``,
+        vllm/v1/core/sched/scheduler.py, 0.26-0.33).
         """
         delayed = sorted(r for r in left if _delays_free(self.finished_returns.get(r)))
         waited = sorted(r for r in left if r not in delayed
@@ -752,6 +645,7 @@ class EngineDriver:
 
         Raises:
             AssertionError: requests remain after ``max_steps`` steps.
+            RigPlanError: a waiting request can never fit the pool.
 
         """
         if not self.step_until_idle():
@@ -791,18 +685,12 @@ class EngineDriver:
             self.step()
 
     def _beyond_pool(self) -> str:
-        """Why waiting requests can never be admitted: the pool, not the connector.
+        """Why waiting requests can never be admitted (the pool, not the connector).
 
-        vLLM admits a waiting request only when its whole prompt fits the free
-        blocks (``SchedulerConfig.scheduler_reserve_full_isl``, default True in
-        0.28 and 0.33; ``KVCacheManager.allocate_slots(full_sequence_must_fit=...)``).
-        A prompt of more blocks than the pool has never runs, whatever the
-        connector does.
-
-        Returns:
-            a sentence naming the requests, their blocks and the pool's; ''
-            when every waiting request fits an empty pool.
-
+        vLLM admits a request only when its whole prompt fits the free blocks
+        (``SchedulerConfig.scheduler_reserve_full_isl``, default True in 0.28 and
+        0.33; ``KVCacheManager.allocate_slots(full_sequence_must_fit=...)``); '' when
+        every waiting request fits an empty pool.
         """
         mgr = self.scheduler.kv_cache_manager
         b = self.scheduler.vllm_config.cache_config.block_size
@@ -834,21 +722,11 @@ def _is_empty(worker_meta: Any) -> bool:
 def zero_match_cause(driver: EngineDriver) -> str:
     """Why a replay of a stored prompt may have matched 0 tokens, from the run.
 
-    Read from what the worker side returned through
-    ``KVConnectorOutput.kv_connector_worker_meta`` (vLLM's model runner fills it
-    from ``build_connector_worker_meta``; the scheduler's ``update_from_output``
-    hands it to ``update_connector_output``, ``vllm/v1/core/sched/scheduler.py``
-    0.26-0.33).
-
-    Args:
-        driver: the driver that ran the store pass and the replay.
-
-    Returns:
-        a sentence naming the worker metadata the scheduler side was handed and
-        did not turn into a hit; one saying its worker reported nothing for a
-        connector that publishes residency that way; "" otherwise (a connector
-        whose scheduler reads the store itself).
-
+    Reads the ``kv_connector_worker_meta`` the worker side returned (vLLM's
+    scheduler hands it to ``update_connector_output``,
+    ``vllm/v1/core/sched/scheduler.py`` 0.26-0.33). Returns a sentence on unused
+    worker metadata, or on a publishing connector whose worker reported nothing;
+    "" otherwise.
     """
     if driver.worker_metas:
         kinds = sorted({type(m).__name__ for m in driver.worker_metas})
@@ -868,10 +746,8 @@ def zero_match_cause(driver: EngineDriver) -> str:
 def external_hit(driver: EngineDriver, request: Any) -> tuple[int, int, bool]:
     """What the connector answered vLLM for ``request`` (last definite answer).
 
-    Returns:
-        (local computed tokens vLLM passed in, matched tokens returned, async
-        flag); (0, 0, False) when the connector was never asked.
-
+    Returns ``(local computed tokens passed in, matched tokens, async flag)``;
+    ``(0, 0, False)`` when never asked.
     """
     answers = [a for a in driver.matched.get(request.request_id, [])
                if a[1] is not None]

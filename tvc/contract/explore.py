@@ -1,41 +1,11 @@
 """Model-based exploration of the contract tier: a hypothesis state machine.
 
-Instead of one hand-picked step per scenario, hypothesis draws event sequences
-over vLLM's real V1 scheduler and the connector (:class:`Explorer`, one engine
-driver per sequence) and checks the contract after every step:
-
-* events: add requests (1 token to several chunks; a prefix shared with an
-  earlier request; identical twins admitted in one step; ``cache_salt`` / LoRA /
-  embeddings-only (``prompt_embeds``) tenants; decode lengths), step the
-  engine, abort a request in each state
-  (waiting, waiting for remote KV, running, preempted), preemption (family
-  ``preemption``: a KV pool too small for the batch), reset vLLM's prefix cache,
-  restart the connector on the same store, and store / load faults (family
-  ``faults``: lose, tear, corrupt, fail_save, delay, fail) that fire when the
-  connector has reached a phase (a lookup matched, a load in flight, a load
-  landed, a save in flight), never at a fixed step;
-* invariants (:data:`INVARIANTS`, each names the connector method at fault):
-  matched tokens within the prompt and never negative; ``num_computed_tokens``
-  at the first compute equals vLLM's local hit plus the connector's match
-  (``len - 1`` at most) unless a load failure was reported; every loaded token
-  bit-identical to what vLLM computed (:class:`ConnectorWorker`); a request ends
-  ``FINISHED_ERROR`` only after a reported load failure under policy ``fail``;
-  a hit is backed by tokens some request of the same tenant and adapter
-  computed before the lookup (else a hit across tenants, or a hit nobody
-  stored); every load finishes (a failed asynchronous load that the connector
-  matches again on vLLM's retry loops; the wait after the receive ended is
-  vLLM's, and an engine that then never schedules again is vLLM's scheduler
-  deadlock); after draining nothing is left and every block is free. The
-  blocks of a reported failed load get the stored KV once judged
-  (:attr:`tvc.contract.worker.ConnectorWorker.heal_reported`): vLLM's
-  recompute policy keeps them in its prefix cache, and what an abort or a
-  preemption before their recompute leaves there is vLLM's, not the
-  connector's.
-
-A failure shrinks (hypothesis) to a minimal event sequence and is raised as
-:class:`ExplorationFailure`, whose message holds a replay script of
-:class:`Explorer` calls (``replay_explorer``) and the connector method at
-fault. :func:`explore` runs a family with a seeded, bounded budget.
+Hypothesis draws event sequences (requests, steps, aborts, preemption, resets,
+restarts, faults) over vLLM's real V1 scheduler and the connector and checks
+:data:`INVARIANTS` after every step. Entry points: :class:`Explorer` (one
+sequence on one rig), :func:`make_machine`, :func:`explore` (a family with a
+seeded, bounded budget), :func:`replay_explorer` (a failure's replay script,
+raised in :class:`ExplorationFailure`). Read docs/exploration.md.
 """
 
 from __future__ import annotations
@@ -74,14 +44,10 @@ PREFILL_BUDGET = 2 * BLOCK_SIZE + 8
 # steps a load may stay in flight (WAITING_FOR_REMOTE_KVS) beyond injected delays
 # before the exploration calls it a load that never finishes
 MAX_LOAD_STEPS = 40
-# A load must also stay in flight the wall time of the profile's
-# connector.transfer_timeout_s (the rig driver's min_stall_s) before it is
-# called one that never finishes: a copy on a background thread (a disk, a
-# network) takes time, not engine steps, and the rig runs a step in about a
-# millisecond; vLLM sets no bound (Scheduler._try_promote_blocked_waiting_request
-# waits for the request in finished_recving). Past MAX_LOAD_STEPS each check
-# sleeps driver.STALL_POLL_S, so such a load gets the time without thousands of
-# steps.
+# and it must also outlast connector.transfer_timeout_s (the driver's min_stall_s):
+# a background copy takes time, not steps; vLLM sets no bound
+# (Scheduler._try_promote_blocked_waiting_request). Past MAX_LOAD_STEPS each
+# check sleeps driver.STALL_POLL_S
 # sequences per family at the default depth (about 10 s per family on 2 CPUs)
 DEFAULT_EXAMPLES = DEPTHS[DEFAULT_DEPTH].explore_examples
 STEPS_PER_EXAMPLE = 20  # hypothesis stateful_step_count
@@ -124,11 +90,9 @@ class Family:
 
     Attributes:
         name: test id.
-        preemption: a KV pool too small for the batch (vLLM preempts), and
-            a step budget of :data:`PREFILL_BUDGET` tokens, so prompts are
-            prefilled in chunks that end off block boundaries and preempted
-            midway.
-        tenants: requests carry ``cache_salt`` / a LoRA adapter.
+        preemption: a KV pool too small for the batch, and a step budget of
+            :data:`PREFILL_BUDGET` tokens (chunks end off block boundaries).
+        tenants: requests carry ``cache_salt`` / a LoRA adapter / prompt_embeds.
         faults: store and load faults.
         one_token: prompts of a single token too (the others start at 2).
 
@@ -153,12 +117,9 @@ EMBED_DIM = 8  # hidden size of the prompt_embeds of an ``embeds:`` tenant
 def _embedder(table: str) -> Callable[[Sequence[int]], Any]:
     """``tokens -> prompt_embeds [len, EMBED_DIM]`` (float32) of one embedding table.
 
-    The same table and tokens give the same embeddings (so the same vLLM block
-    hashes); another table gives other embeddings for the same tokens, the
-    case of two front-ends (or two adapters of the input layer) sending
-    ``prompt_embeds`` of one length: vLLM's hash covers the embeddings
+    Deterministic per table; vLLM's block hash covers the embeddings
     (``vllm/v1/core/kv_cache_utils.py``, ``_gen_prompt_embeds_extra_hash_keys``)
-    and the request's token ids are all 0 (``Request._all_token_ids``).
+    while the request's token ids are all 0 (``Request._all_token_ids``).
     """
     import hashlib
 
@@ -201,10 +162,9 @@ _BROKEN: list[ExplorationFailure] = []
 
 
 class KnownDefectReached(Exception):  # noqa: N818 - reads as an event
-    """A failure whose text matches a known defect the profile lists for this test.
+    """A failure matching a known defect the profile lists for this test.
 
-    The sequence stops there (counted in :attr:`Stats.known`); exploration goes
-    on with other sequences.
+    Stops the sequence (counted in :attr:`Stats.known`); others go on.
     """
 
 
@@ -284,33 +244,27 @@ def _tenant_kw(tenant: str | None) -> dict[str, Any]:
 class Explorer:
     """One event sequence on one rig: the calls a replay script makes.
 
+    Every public method appends its call to :attr:`log`; a broken invariant
+    raises :class:`ExplorationFailure` with the log as a script.
+
     Args:
         make_rig: ``**kw -> Rig`` (:func:`tvc.contract.make_rig` bound to the
             profile and scratch); called again on :meth:`restart`.
         chunk: tokens per stored unit (``connector.granularity`` at B).
-        family: the :class:`Family` (pool size, tenants, faults).
+        family: the :class:`Family`.
         policy: ``kv_load_failure_policy`` (``recompute`` / ``fail``).
         kv_transfer_config: the profile's dict; wrapped in
-            :class:`tvc.contract.faults.FaultInjectingConnector` when ``family.faults``
-            (so a ``fail`` event can fault the next load).
+            :class:`tvc.contract.faults.FaultInjectingConnector` for ``family.faults``.
         injector_for: ``rig -> store fault injector or None``
             (:func:`tvc.contract.faults.fault_injector_for`).
         stats: shared counters.
         label: names the profile in the replay script.
-        scratch: the profile's scratch directory: store paths of
-            ``kv_transfer_config`` inside it move to ``<scratch>/explore/<n>``
-            (then to the session's store folder by the rig), so every sequence
-            starts from an empty store of its own (a restart keeps it).
-        known: ``(regex, reason)`` of the profile's known defects for this
-            test (``[[known_failures]]`` ``match`` / ``reason``): a failure
-            whose text matches one stops the sequence with
-            :class:`KnownDefectReached` instead of failing the exploration.
-        lead_chunks: whole chunks before the drawn ones of every prompt of at
-            least one chunk: a hit rule that expects nothing below a threshold
-            then still sees prompts it stores (:func:`lead_chunks_for`).
-
-    Every public method appends its call to :attr:`log`; an invariant that
-    breaks raises :class:`ExplorationFailure` with the log as a script.
+        scratch: store paths inside it move to ``<scratch>/explore/<n>``: every
+            sequence starts from an empty store of its own (a restart keeps it).
+        known: ``(regex, reason)`` of the profile's ``[[known_failures]]`` for this
+            test; a match raises :class:`KnownDefectReached` instead.
+        lead_chunks: whole chunks prepended to every prompt of at least one chunk
+            (:func:`lead_chunks_for`).
 
     """
 
@@ -430,12 +384,7 @@ class Explorer:
         self._wrapped_worker: Any = None
 
     def _note_standin(self) -> None:
-        """Add the rig's stand-in worker, if any, to ``stats.standins``.
-
-        A profile's hook stand-in exists from the rig's start; the built-in
-        :class:`~tvc.contract.worker.JobAckWorker` only once the engine stepped,
-        so this runs when the rig is built and when it is closed.
-        """
+        """Add the rig's stand-in worker, if any, to ``stats.standins``."""
         label = getattr(self.rig.driver.worker, "standin_label", "")
         if label and label not in self.stats.standins:
             self.stats.standins.append(label)
@@ -471,17 +420,14 @@ class Explorer:
         Args:
             chunks: whole chunks of the prompt (0 to :data:`MAX_CHUNKS`).
             tail: tokens after them (>= 1).
-            prefix_of: index of an earlier prompt whose tokens this one starts
-                with (None: fresh tokens).
-            prefix_blocks: how many blocks of it are shared (None: as much of
-                it as fits).
-            twin: add two requests with this prompt before the next step.
-            tenant: None, ``salt:<cache_salt>``, ``lora:<adapter name>``, or
-                ``same`` (with ``replay_of``: that prompt's tenant).
+            prefix_of: index of an earlier prompt this one starts with.
+            prefix_blocks: blocks of it shared (None: as much as fits).
+            twin: two requests with this prompt before the next step.
+            tenant: None, ``salt:<cache_salt>``, ``lora:<adapter>``, ``embeds:<table>``
+                or ``same`` (with ``replay_of``: that prompt's tenant).
+            replay_of: index of an earlier prompt repeated whole, then ``tail - 1``
+                fresh tokens (``chunks`` and the prefix arguments are ignored).
             max_tokens: output tokens.
-            replay_of: index of an earlier prompt this one repeats whole, then
-                ``tail - 1`` fresh tokens (``chunks`` and the prefix arguments
-                are then ignored).
 
         Returns:
             the request ids added.
@@ -539,18 +485,11 @@ class Explorer:
     def crowd(self, replay_of: int | None = None) -> list[str]:
         """Two decoding requests ahead of the longest prefill, in a full pool.
 
-        Two prompts of ``B - 1`` tokens (one block each, :data:`MAX_DECODE`
-        output tokens) prefill in one step; then the longest prompt
-        (:data:`MAX_CHUNKS` chunks and ``B + 1`` tokens; or an earlier prompt
-        again, ``replay_of``) comes behind them. In the ``preemption``
-        family's pool (the longest request and 3 blocks) the decoders' second
-        blocks, one step later, leave it too few for its next chunk: vLLM
-        preempts it midway through its prefill (the last running request,
-        ``Scheduler.schedule``) and resumes it later on other blocks.
-
-        Returns:
-            the request ids added (the decoders, then the long one).
-
+        Two ``B - 1``-token prompts (:data:`MAX_DECODE` output tokens) prefill first;
+        in the ``preemption`` pool their second blocks leave the longest prompt (or
+        ``replay_of``) too few blocks, so vLLM preempts it midway
+        (``Scheduler.schedule``) and resumes it on other blocks. Returns the request
+        ids (the decoders, then the long one).
         """
         self.log.append(f"ex.crowd(replay_of={replay_of})")
         ids = [i for _ in range(2) for i in self._add(0, BLOCK_SIZE - 1, None, None,
@@ -564,10 +503,7 @@ class Explorer:
 
     def warm(self, prompts: list[tuple[int, int]], tenant: str | None = None
              ) -> None:
-        """Store prompts ``(chunks, tail)``: add them, drain, reset the prefix cache.
-
-        Later requests (``prefix_of`` / ``replay_of``) can then hit the store.
-        """
+        """Store prompts ``(chunks, tail)``: add them, drain, reset the prefix cache."""
         self.log.append(f"ex.warm({prompts!r}, tenant={tenant!r})")
         for chunks, tail in prompts:
             self._add(chunks, tail, None, None, False, tenant, 2, None)
@@ -586,14 +522,9 @@ class Explorer:
     def abort(self, state: str, pick: int = 0) -> str | None:
         """Abort (``FINISHED_ABORTED``) a request in ``state`` (an ABORT_STATES name).
 
-        Where no live request is in ``state``, up to :data:`ABORT_STEPS` engine
-        steps are run until one is; failing that, a live request in another
-        state is aborted (``pick`` chooses; :attr:`Stats.aborts` counts the
-        state it was in).
-
-        Returns:
-            the aborted request id, or None when no request is live.
-
+        Runs up to :data:`ABORT_STEPS` steps to reach ``state``; failing that, aborts
+        a live request in another state (``pick`` chooses). Returns its id, or None
+        when no request is live.
         """
         from vllm.v1.request import RequestStatus
 
@@ -617,9 +548,7 @@ class Explorer:
     def reset_prefix_cache(self) -> bool:
         """``Scheduler.reset_prefix_cache()``; on success zero the worker's KV.
 
-        Returns:
-            whether vLLM reset it (it refuses while a request holds blocks).
-
+        Returns whether vLLM reset it (it refuses while a request holds blocks).
         """
         self.log.append("ex.reset_prefix_cache()")
         ok = bool(self.rig.scheduler.reset_prefix_cache())
@@ -632,8 +561,7 @@ class Explorer:
     def restart(self) -> None:
         """Drain and check for leaks; then a new scheduler, connector and worker.
 
-        The new connector gets the same kv_transfer_config, so the same store
-        (the connector's files, or its memory as it keeps it).
+        The same kv_transfer_config, so the same store.
         """
         self.log.append("ex.restart()")
         self._drain("before the restart")
@@ -644,20 +572,11 @@ class Explorer:
     def fault(self, kind: str, phase: str) -> None:
         """Arm a fault that fires when the connector reaches ``phase``.
 
-        Args:
-            kind: ``lose`` / ``tear`` / ``corrupt`` (the store injector damages
-                every entry written so far), ``fail_save`` (the next worker
-                step's saves fail), ``delay`` (completions of loads and saves
-                are held back 3 steps), ``fail`` (the next planned load is
-                overwritten and reported, :mod:`tvc.contract.faults` ``fail_load``).
-            phase: ``matched`` (after a lookup that matched, before its load),
-                ``loaded`` (a request that loaded runs), ``loading`` (a load in
-                flight), ``saving`` (a request that computed still runs or
-                waits for its save). A store injector that cannot act between
-                lookup and load (``between_lookup_and_load = False``, e.g. the
-                :class:`tvc.contract.faults.ObjectStoreInjector`) fires at the next
-                moment nothing is in flight instead (an eviction).
-
+        ``kind``: ``lose`` / ``tear`` / ``corrupt`` / ``fail_save`` / ``delay`` (3
+        steps) / ``fail`` (:mod:`tvc.contract.faults` ``fail_load``); ``phase``:
+        ``matched`` / ``loaded`` / ``loading`` / ``saving`` (docs/exploration.md,
+        "Events"). A store injector with ``between_lookup_and_load = False`` fires
+        when nothing is in flight instead (an eviction).
         """
         self.log.append(f"ex.fault({kind!r}, {phase!r})")
         if kind == "fail":
@@ -958,12 +877,7 @@ class Explorer:
             self.fail(invariant, f"{len(w.load_errors)} request(s): {err}", method)
 
     def _preempted_sharing(self, err: str) -> list[str]:
-        """Requests preempted midway whose prompt shares the failing load's tokens.
-
-        The load error names the request and its first bad token; a request
-        preempted in its prefill that computed those tokens too may have saved
-        the entry through a stale block table.
-        """
+        """Requests preempted midway whose prompt shares the failing load's tokens."""
         import re
 
         m = re.search(r"request (\S+): .*?token (\d+) ", err)
@@ -974,16 +888,10 @@ class Explorer:
                 if self.content.get(rid, [])[:pos + 1] == toks[:pos + 1]]
 
     def _backing(self, rid: str, k: int) -> tuple[int, int]:
-        """Longest prefix of ``rid``'s prompt that requests computed before now.
+        """Longest prefix of ``rid``'s prompt computed before now, in tokens.
 
-        ``rid`` itself counts: a request preempted after computing part of its
-        prompt may be served those tokens back from the store when it is
-        admitted again (``max_computed`` holds what each request computed up to
-        the previous step, before this lookup).
-
-        Returns:
-            (same tenant and adapter, any tenant) in tokens.
-
+        Returns ``(same tenant and adapter, any tenant)``; ``rid`` itself counts (a
+        preempted request may get its own tokens back from the store).
         """
         def common(a: Sequence[int], b: Sequence[int]) -> int:
             m = 0
@@ -1083,19 +991,12 @@ class Explorer:
     def _check_errors_and_progress(self) -> None:
         """Failed requests were reported; loads end; vLLM resumes ended loads.
 
-        A request waits for remote KV from its admission until vLLM's scheduler
-        resumes it. The connector's part ends when its worker reports the
-        receive (``finished_recving``; vLLM then holds the request in
-        ``Scheduler.finished_recving_kv_req_ids``, 0.26-0.33); only that part
-        counts against :data:`MAX_LOAD_STEPS`. vLLM resumes the request when
-        ``Scheduler.schedule``'s waiting-queue walk reaches it
-        (``_try_promote_blocked_waiting_request``, 0.26 / 0.28); the walk stops
-        at the first request it cannot allocate, so an ended load may wait
-        behind it for as long as running requests hold the blocks
-        (``vllm/v1/core/sched/scheduler.py`` 0.28.0 L748-L777, L1047).
-        When the engine then stays idle — no token scheduled — while such a
-        request waits, nothing frees a block again: a scheduler deadlock,
-        named as vLLM's (invariant "vLLM resumes a finished load").
+        Only the wait before ``finished_recving`` counts against
+        :data:`MAX_LOAD_STEPS`; after it vLLM holds the request in
+        ``Scheduler.finished_recving_kv_req_ids`` (0.26-0.33) until
+        ``_try_promote_blocked_waiting_request``'s walk reaches it
+        (``vllm/v1/core/sched/scheduler.py`` 0.28.0 L748-L777, L1047). An idle engine
+        meanwhile is vLLM's scheduler deadlock ("vLLM resumes a finished load").
         """
         sched = self.rig.scheduler
         recv_done = getattr(sched, "finished_recving_kv_req_ids", ())
@@ -1198,13 +1099,8 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
                  ) -> type:
     """A hypothesis ``RuleBasedStateMachine`` over :class:`Explorer` events.
 
-    Args:
-        new_explorer: ``policy -> Explorer`` (a fresh rig per sequence).
-        family: which rules apply.
-
-    Returns:
-        the machine class (run it with :func:`explore`).
-
+    ``new_explorer``: ``policy -> Explorer`` (a fresh rig per sequence); returns
+    the machine class (run it with :func:`explore`).
     """
     from hypothesis import strategies as st
     from hypothesis.stateful import (
@@ -1237,11 +1133,7 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
                     warm_tenant=tenants)
         def start(self, policy: str, warm: list[tuple[int, int]],
                   warm_tenant: str | None) -> None:
-            """A fresh rig; ``warm`` prompts are stored first.
-
-            (vLLM's prefix cache is then dropped, so later requests can hit
-            the store.)
-            """
+            """A fresh rig; ``warm`` prompts stored first (the prefix cache dropped)."""
             self.ex = new_explorer(policy)
             self.ex.stats.examples += 1
             if warm:
@@ -1257,11 +1149,7 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
         def add(self, chunks: list[int], tail: int, prefix_of: int | None,
                 prefix_blocks: int | None, twin: bool, tenant: str | None,
                 max_tokens: int) -> None:
-            """1 to 3 requests before the next step.
-
-            Prompt i is ``chunks[i]`` chunks + ``tail`` tokens, sharing a
-            prefix with an earlier prompt or not.
-            """
+            """1 to 3 requests (``chunks[i]`` chunks + ``tail`` tokens) at once."""
             for c in chunks:
                 if self.ex is not None and len(self.ex.rig.scheduler.requests) < \
                         2 * MAX_SEQS:
@@ -1283,10 +1171,7 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
               drain=st.booleans())
         def replay(self, of: int, tail: int, twin: bool, tenant: str | None,
                    max_tokens: int, drain: bool) -> None:
-            """An earlier prompt again: where external hits are.
-
-            With ``drain``, after vLLM's prefix cache was dropped.
-            """
+            """An earlier prompt again (``drain``: after dropping the prefix cache)."""
             if self.ex is None or not self.ex.prompts:
                 return
             if drain:
@@ -1297,10 +1182,7 @@ def make_machine(new_explorer: Callable[[str], Explorer], family: Family
         @precondition(lambda self: family.preemption and self.ex is not None)
         @rule(replay_of=st.none() | st.integers(0, 7))
         def crowd(self, replay_of: int | None) -> None:
-            """Decoders ahead of a long prefill: preempted midway, resumed.
-
-            (Only on an idle engine: with requests running it does nothing.)
-            """
+            """Decoders ahead of a long prefill (does nothing while requests run)."""
             if self.ex is not None and not self.ex.rig.scheduler.requests:
                 self._do("crowd", replay_of)
 
@@ -1355,35 +1237,20 @@ CANONICAL_FAULTS = ("lose", "tear", "corrupt", "fail")
 def run_canonical(new_explorer: Callable[[str], Explorer], family: Family) -> int:
     """The fixed sequences a family explores before the drawn ones.
 
-    A drawn sequence reaches some states only on some seeds; these reach them
-    every run:
-
-    * family ``faults``: each fault kind of :data:`CANONICAL_FAULTS` the rig
-      can make strikes a matched, not yet loaded entry once, under
-      ``recompute``: ``warm([(2, 2)])`` (two chunks and two tokens: a hit under
-      every hit rule the built-in profiles give, ExampleConnector's misses
-      ``len = k * B + 1``), ``fault(kind, "matched")``, a replay of that
-      prompt, ``finish()``;
-    * family ``preemption``: an asynchronous load admitted behind a request
-      that holds no block, in the family's small pool (:func:`_stranded_load`),
-      and two decoders ahead of a long prefill (:meth:`Explorer.crowd`): the
-      prefill is preempted midway and resumed on other blocks;
-    * family ``one_token``: a one-token prompt after a stored prompt shorter
-      than a block that it starts (:func:`_one_token_prompt`);
-    * family ``core``: the whole-prompt hit, where vLLM must still compute the
-      last token: a prompt of two whole chunks (``k * chunk`` tokens, whole
-      blocks) is stored and replayed exactly, so a lookup may match at most
-      ``len - 1`` tokens (the scheduler's ``num_computed_tokens = num_tokens -
-      1``), and a correct ``len - 1`` answer loads; and a stored prompt of one
-      chunk and two tokens replayed with ``chunk - 1`` more
-      (:func:`_extended_replay`).
+    They reach every run what a drawn sequence reaches on some seeds only:
+    ``faults``: each :data:`CANONICAL_FAULTS` kind the rig can make at
+    ``matched`` on ``warm([(2, 2)])`` replayed (a hit under every built-in hit
+    rule; ExampleConnector misses ``len = k * B + 1``); ``preemption``:
+    :func:`_stranded_load`, :meth:`Explorer.crowd`; ``one_token``:
+    :func:`_one_token_prompt`; ``core``: :func:`_whole_prompt_hit` (at most
+    ``len - 1`` matched), :func:`_extended_replay`.
 
     Returns:
         how many sequences ran.
 
     Raises:
-        ExplorationFailure: an invariant broke (the sequence is its own
-            minimal replay).
+        ExplorationFailure: an invariant broke (the sequence is its own minimal
+            replay).
 
     """
     fixed: list[Callable[[Explorer], None]] = []
@@ -1431,10 +1298,8 @@ def _whole_prompt_hit(ex: Explorer) -> None:
 def _extended_replay(ex: Explorer) -> None:
     """A stored prompt of one chunk and two tokens, replayed with chunk - 1 more.
 
-    The replay is ``2 * chunk + 1`` tokens long: its lookup covers the stored
-    prompt's whole chunk, its last whole chunk is not stored (ExampleConnector
-    looks it up under its first ``align(len - 1)`` tokens and loads the file of
-    ``align(len)``: a drawn sequence meets this only on some seeds).
+    ExampleConnector looks the ``2 * chunk + 1``-token replay up under
+    ``align(len - 1)`` tokens and loads the file of ``align(len)``.
     """
     ex.warm([(1, 2)])
     ex.add(0, ex.chunk, replay_of=0, max_tokens=2)
@@ -1444,10 +1309,7 @@ def _extended_replay(ex: Explorer) -> None:
 def _one_token_prompt(ex: Explorer) -> None:
     """A stored prompt shorter than a block, then a one-token prompt it starts.
 
-    Nothing of a one-token prompt can be loaded (vLLM computes at least its
-    last token): a lookup must match 0 tokens. ExampleConnector keys both
-    prompts by their first ``align(len - 1)`` tokens, none, and answers
-    ``align(0) = -B`` (a drawn sequence meets this only on some seeds).
+    A lookup must match 0; ExampleConnector answers ``align(0) = -B``.
     """
     ex.warm([(0, BLOCK_SIZE // 2)])
     ex.add(0, 1, prefix_of=0, max_tokens=2)
@@ -1463,17 +1325,10 @@ def _preempted_prefill(ex: Explorer) -> None:
 def _stranded_load(ex: Explorer) -> None:
     """An ended asynchronous load queued behind a request that holds no block.
 
-    Two prompts of 2 and 3 chunks + B tokens are stored; then, before one
-    step: prompt 0 again (an asynchronous load of its chunks), a longer prompt
-    starting with prompt 0 (a connector that defers its lookup while those
-    chunks load — OffloadingConnector returns None, ``offloading/scheduler.py``
-    ``_lookup`` — leaves it queued with no block), and prompt 1 again (a second
-    asynchronous load, admitted behind it). Once both receives end, vLLM
-    0.26 / 0.28 resume the second only when their waiting-queue walk gets past
-    the longer prompt, which the preemption family's pool cannot hold while
-    that load holds its blocks: nothing runs and nothing is scheduled again
-    (upstream: vllm-project/vllm#57841). A connector that never defers, or a
-    vLLM that resumes block-holding requests first (0.33), finishes it.
+    A connector that defers its lookup while chunks load (OffloadingConnector,
+    ``offloading/scheduler.py`` ``_lookup``) leaves the longer prompt queued with
+    no block; vLLM 0.26 / 0.28 then never resume the second load in the
+    preemption pool (upstream: vllm-project/vllm#57841); 0.33 finishes it.
     """
     b = BLOCK_SIZE
     ex.warm([(2, b), (3, b)])
@@ -1496,23 +1351,14 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
             steps: int = STEPS_PER_EXAMPLE, canonical: bool = True) -> Stats:
     """Run ``examples`` event sequences of ``family``; raise on the first failure.
 
-    The family's fixed sequences (:func:`run_canonical`) run first. Seeded by
-    ``seed`` (the run's ``--tvc-seed``): the same seed draws the same
-    sequences. No example database (nothing is written outside the run).
-
-    Args:
-        new_explorer: ``policy -> Explorer``.
-        family: the :class:`Family`.
-        examples: hypothesis ``max_examples`` (>= 1).
-        seed: the run's seed.
-        stats: counters to fill (the same object ``new_explorer`` gives its
-            explorers); a new one when None.
-        steps: rules per sequence at most (``stateful_step_count``).
-        canonical: run the family's fixed sequences first (they draw nothing
-            from ``seed``: once per family is enough).
+    The fixed sequences (:func:`run_canonical`) run first when ``canonical``.
+    Seeded by ``seed`` (the run's ``--tvc-seed``); no example database.
+    ``examples`` is hypothesis's ``max_examples`` (>= 1), ``steps`` its
+    ``stateful_step_count``; ``stats`` should be the object ``new_explorer``
+    gives its explorers (a new one when None).
 
     Returns:
-        the filled :class:`Stats` (``seconds`` = wall time of the exploration).
+        the filled :class:`Stats` (``seconds``: wall time, s).
 
     Raises:
         ExplorationFailure: an invariant broke (the shrunk sequence's).
@@ -1584,24 +1430,18 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
 
 
 def _flaky(exc: BaseException) -> str:
-    """The name of hypothesis's flaky-test error ``exc`` is, or ''.
-
-    ``FlakyFailure`` (a failure its replay did not repeat) and
-    ``FlakyStrategyDefinition`` (a replay that drew differently) both derive
-    from ``hypothesis.errors.Flaky``.
-    """
+    """The name of hypothesis's ``Flaky`` error ``exc`` is, or ''."""
     from hypothesis.errors import Flaky
 
     return type(exc).__name__ if isinstance(exc, Flaky) else ""
 
 
 def _test_outcome(exc: BaseException) -> BaseException | None:
-    """A test outcome a sequence raised (pytest's skip or fail), else None.
+    """A pytest outcome (skip, fail) a sequence raised, else None.
 
-    Outcomes derive from ``BaseException``, not ``Exception`` (as interrupts,
-    handled before); hypothesis re-raises a skip but reports a ``pytest.fail``
-    as a failing example (grouped when several), which is the test's outcome
-    (``tvc_missing_hardware`` under ``--tvc-require``), not a broken invariant.
+    Hypothesis reports a ``pytest.fail`` (``tvc_missing_hardware`` under
+    ``--tvc-require``) as a failing example: the test's outcome, not a broken
+    invariant.
     """
     for e in (*getattr(exc, "exceptions", ()), exc):
         if not isinstance(e, Exception) and getattr(e, "exceptions", None) is None:
@@ -1632,12 +1472,8 @@ _HOLD: dict[str, bool] = {"active": False, "held": False}
 def _distributed_held() -> Iterator[None]:
     """Keep vLLM's world-size-1 groups for the whole exploration.
 
-    Also caps hypothesis's shrinking time at :data:`SHRINK_SECONDS` (a private
-    constant of hypothesis's engine; left alone where it does not exist).
-
-    Each sequence builds and closes a :class:`ConnectorWorker`; without a hold
-    the last close tears vLLM's groups down and the next worker sets them up
-    again (a gloo rendezvous per sequence).
+    Saves a gloo rendezvous per sequence; also caps shrinking at
+    :data:`SHRINK_SECONDS` (hypothesis's private ``MAX_SHRINKING_SECONDS``).
     """
     from tvc.contract import worker as W
 
@@ -1672,10 +1508,8 @@ def _hold_distributed() -> None:
 def premises_missing(stats: Stats, family: Family) -> list[str]:
     """The premise events no sequence of ``stats`` has produced yet.
 
-    A green from sequences that never hit or loaded proves nothing: a hit that
-    loaded, aborts of a waiting and of a running request, a shared prefix,
-    twins, a restart, and the family's preemption (of a prefill midway too),
-    tenant request or fault.
+    A green from sequences that never hit or loaded proves nothing
+    (docs/exploration.md lists the premises).
     """
     return [name for name, ok in (
         ("hit that loaded", stats.hits > 0 and stats.loads > 0),
@@ -1691,10 +1525,7 @@ def premises_missing(stats: Stats, family: Family) -> list[str]:
 
 
 def selector(profile: Any) -> str:
-    """What ``--tvc-profile`` takes to load ``profile`` again (replay scripts).
-
-    A built-in's name, else its file's path.
-    """
+    """What ``--tvc-profile`` takes to load ``profile`` again: a name or a path."""
     from tvc.config.profile import BUILTIN_DIR
 
     builtin = Path(profile.source).resolve() == (
@@ -1710,11 +1541,11 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
                      ) -> Callable[[str], Explorer]:
     """``policy -> Explorer`` for one family of a profile.
 
-    What the exploration test, :func:`replay_explorer` and the seed sweep
-    (``selftests/contract/seed_sweep.py``) run: rigs from
-    :func:`tvc.contract.make_rig` (the connector's real worker where
-    ``connector.worker_devices`` lists ``cpu``), the profile's chunk at
-    :data:`BLOCK_SIZE`, its store fault injector for family ``faults``.
+    What the exploration test, :func:`replay_explorer` and
+    ``selftests/contract/seed_sweep.py`` run: rigs from
+    :func:`tvc.contract.make_rig` (the real worker where
+    ``connector.worker_devices`` lists the device), the chunk at
+    :data:`BLOCK_SIZE`, the store fault injector for family ``faults``.
 
     Args:
         profile: the loaded :class:`tvc.config.profile.Profile`.
@@ -1723,13 +1554,9 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
         stats: counters every explorer fills.
         known: ``(regex, reason)`` of the profile's known defects for the test.
         label: names the profile in replay scripts (default :func:`selector`).
-        on_rig: called with every rig built (e.g. to keep its coverage log).
-        rig_defaults: :func:`tvc.contract.make_rig` keywords for every rig
-            (the ``contract_rig_defaults`` fixture: ``device``, where the
-            worker runs, and ``on_no_worker``); default: CPU.
-
-    Returns:
-        the factory :func:`explore` takes.
+        on_rig: called with every rig built.
+        rig_defaults: :func:`tvc.contract.make_rig` keywords for every rig (the
+            ``contract_rig_defaults`` fixture); default: CPU.
 
     """
     from tvc.contract import make_rig
@@ -1762,20 +1589,10 @@ def explorer_factory(profile: Any, scratch: Path, family: Family, *,
 def lead_chunks_for(profile: Any, chunk: int) -> int:
     """Whole chunks that bring the longest one-chunk prompt to the first hit.
 
-    The drawn prompts are 1 to :data:`MAX_CHUNKS` chunks and a tail of up to
-    ``B + 1`` tokens; a rule whose first hit lies beyond one chunk and such a
-    tail (a threshold: ``... if len >= N else 0``) would leave them all
-    unstored.
-
-    Args:
-        profile: the target profile (its hit rule).
-        chunk: tokens per stored unit.
-
-    Returns:
-        0 where the rule expects a hit within one chunk + ``B + 1`` tokens (or
-        there is no rule); else the chunks to add to every drawn prompt of at
-        least one chunk (:func:`tvc.contract.steps.first_hit_len`).
-
+    A hit rule with a threshold beyond one chunk + ``B + 1`` tokens would leave
+    every drawn prompt unstored. Returns 0 where the first hit
+    (:func:`tvc.contract.steps.first_hit_len`) is within that, or there is no
+    rule; else the chunks to prepend.
     """
     from tvc.contract.steps import first_hit_len
 
@@ -1788,14 +1605,8 @@ def replay_explorer(profile: str, family: str = "core",
                     policy: str = "recompute") -> Explorer:
     """An :class:`Explorer` outside pytest, for a failure's replay script.
 
-    Args:
-        profile: profile name or path (as ``--tvc-profile``).
-        family: a key of :data:`FAMILIES`.
-        policy: ``kv_load_failure_policy``.
-
-    Returns:
-        the explorer; call its methods as the script does.
-
+    ``profile``: a name or path (as ``--tvc-profile``); ``family``: a key of
+    :data:`FAMILIES`; ``policy``: ``kv_load_failure_policy``.
     """
     import tempfile
 

@@ -1,55 +1,11 @@
 """Fault injection around any KV connector, for the contract tier and a real server.
 
-:class:`FaultInjectingConnector` is a ``KVConnectorBase_V1`` that vLLM loads by
-module path (``kv_connector = "FaultInjectingConnector"``,
-``kv_connector_module_path = "tvc.contract.faults"``). It builds the connector under
-test
-through vLLM's own ``KVConnectorFactory`` from
-``kv_connector_extra_config["tvc_fault"]["inner"]`` (an inner kv_transfer_config
-dict), delegates every method to it, and injects ONE kind of fault into every
-``every``-th eligible event:
-
-``fail_load``
-    a load (a request admitted with ``num_external_tokens > 0``): after the
-    inner connector loads, one block of the loaded range (chosen by ``seed``) is
-    overwritten with the value 126 (never produced by the contract tier's KV
-    pattern, which spans [-125, 125]) and reported through
-    ``get_block_ids_with_load_errors()``, in the forward pass that loads it
-    (synchronous) or in the pass whose ``get_finished()`` returns the request in
-    ``finished_recving`` (asynchronous), as ``KVConnectorBase_V1`` documents.
-    vLLM then recomputes from that block (``kv_load_failure_policy = "recompute"``)
-    or fails the request (``"fail"``).
-``corrupt_load``
-    the same overwrite, NOT reported: silent corruption (a negative control: the
-    output comparison of a test must catch it).
-``misreport_load``
-    the same overwrite, but the block reported through
-    ``get_block_ids_with_load_errors()`` is the one after the overwritten block
-    (none when the loaded range is one block): a connector that reports its failed
-    loads wrongly. vLLM recomputes from the reported block on and keeps the
-    overwritten one (a negative control for the e2e load-failure test: under
-    ``recompute`` the output must differ from the baseline).
-``lose_entry``
-    a lookup the inner connector answers with a hit is answered ``(0, False)``,
-    as though the entry were evicted before the lookup; vLLM computes the prompt.
-``fail_save``
-    a finished request's save counts as failed: its blocks not already covered by
-    an earlier successful save become invisible, i.e. later lookups are capped
-    before the first such block (the behaviour the contract tier demands of a
-    connector whose save fails: "a failed save is never visible to a later
-    lookup"). The inner connector still writes; only what vLLM is told changes.
-
-Events are counted per role in arrival order; event ``i`` (0-based) is faulted iff
-``(i + seed) % every == every - 1`` (``every = 1``: all). A decision about a request
-is made once and kept (lookups may be repeated: ``get_num_new_matched_tokens`` is
-documented side-effect free).
-
-:func:`wrap_kv_transfer_config` turns a kv_transfer_config dict into the wrapped one.
-
-Store-level fault injectors (for the contract tier's fault scenarios, which act on
-the connector's store between lookup and load) are :class:`FileStoreInjector` and
-:class:`ObjectStoreInjector`; :func:`fault_injector_for` picks one from the profile
-(``connector.fault_injector``).
+:class:`FaultInjectingConnector` (``kv_connector_module_path =
+"tvc.contract.faults"``) wraps the connector under test and faults every
+``every``-th eligible event in one of :data:`MODES`;
+:func:`wrap_kv_transfer_config` builds its config. Store-level injectors
+(:class:`FileStoreInjector`, :class:`ObjectStoreInjector`) are picked by
+:func:`fault_injector_for`. See docs/tiers.md and docs/safety.md.
 """
 
 from __future__ import annotations
@@ -98,24 +54,15 @@ def wrap_kv_transfer_config(cfg: Mapping[str, Any], mode: str, every: int = 1,
                             seed: int = 0) -> dict[str, Any]:
     """The kv_transfer_config that runs ``cfg``'s connector inside the wrapper.
 
-    Args:
-        cfg: the connector's kv_transfer_config (as ``Profile.kv_transfer_config()``
-            returns it); not modified.
-        mode: one of :data:`MODES`.
-        every: fault every N-th eligible event (>= 1).
-        seed: phase of the faulted events and choice of the faulted block.
-
-    Returns:
-        a dict with ``kv_connector = "FaultInjectingConnector"``,
-        ``kv_connector_module_path = "tvc.contract.faults"``, every non-connector field
-        of
-        ``cfg`` (``kv_role``, ``kv_load_failure_policy``, ``engine_id``, ...) and
-        ``kv_connector_extra_config = {"tvc_fault": {"inner": cfg, "mode": mode,
-        "every": every, "seed": seed}}``.
+    ``cfg`` (as ``Profile.kv_transfer_config()`` returns it) is not modified; its
+    non-connector fields (``kv_role``, ``kv_load_failure_policy``, ...) stay
+    outside, and ``kv_connector_extra_config = {"tvc_fault": {"inner": cfg,
+    "mode", "every", "seed"}}``. ``every``: fault every N-th eligible event;
+    ``seed``: phase of the faulted events and choice of the faulted block.
 
     Raises:
-        FaultConfigError: unknown mode, ``every < 1``, or ``cfg`` without
-            ``kv_connector``.
+        FaultConfigError: ``mode`` not in :data:`MODES`, ``every < 1``, or ``cfg``
+            without ``kv_connector``.
 
     """
     _check_settings({"inner": cfg, "mode": mode, "every": every, "seed": seed})
@@ -184,14 +131,12 @@ class FaultMetadata(KVConnectorMetadata):
     """Scheduler -> worker metadata: the inner connector's plus this step's faults.
 
     Attributes:
-        inner: the inner connector's metadata for this step.
         faults: request id -> block ids to overwrite (and, for ``fail_load``,
             report) once that request's load has landed.
-        reports: request id -> block ids to report instead of ``faults[id]``
-            (``misreport_load``).
-        async_reqs: request ids among ``faults`` whose load is asynchronous
-            (overwritten and reported when ``get_finished`` returns them).
-        report: whether the faulted blocks are reported (``fail_load``).
+        reports: request id -> block ids to report instead (``misreport_load``).
+        async_reqs: requests among ``faults`` loading asynchronously (faulted when
+            ``get_finished`` returns them).
+        report: whether the faulted blocks are reported.
 
     """
 
@@ -203,13 +148,25 @@ class FaultMetadata(KVConnectorMetadata):
 
 
 class FaultInjectingConnector(KVConnectorBase_V1):
-    """Wraps the connector under test and injects one kind of fault (module doc).
+    """Wraps the connector under test and injects one kind of fault.
+
+    Built through vLLM's ``KVConnectorFactory`` from
+    ``kv_connector_extra_config["tvc_fault"]["inner"]``. Event ``i`` (per role,
+    arrival order) is faulted iff ``(i + seed) % every == every - 1``, one
+    decision per request (lookups repeat). Modes: ``fail_load`` overwrites one
+    loaded block with :data:`SCRIBBLE_VALUE` and reports it through
+    ``get_block_ids_with_load_errors()`` (in the loading pass, or with
+    ``finished_recving`` when asynchronous); negative controls ``corrupt_load``
+    (unreported) and ``misreport_load`` (reports the block after it, none for a
+    one-block load); ``lose_entry`` answers a hit ``(0, False)``; ``fail_save``
+    caps later lookups before a failed save's first block (the inner connector
+    still writes).
 
     Attributes:
-        inner: the wrapped connector, built by ``KVConnectorFactory``.
+        inner: the wrapped connector.
         mode, every, seed: from ``kv_connector_extra_config.tvc_fault``.
-        injected: log of injected faults, ``(event, request id, detail)``; read by
-            tests that drive this connector in-process.
+        injected: ``(event, request id, detail)`` of every fault, for in-process
+            tests.
 
     """
 
@@ -364,10 +321,10 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.inner.shutdown()
 
     def get_kv_connector_stats(self) -> Any:
-        """None: the wrapper's class cannot rebuild the inner connector's stats.
+        """None: the inner connector's stats cannot be rebuilt by this class.
 
-        ``build_kv_connector_stats`` is a classmethod called without a config in
-        the front-end process, so the inner class is unknown there.
+        ``build_kv_connector_stats`` is a classmethod called without a config in the
+        front-end process, so the inner class is unknown there.
         """
         return None
 
@@ -501,10 +458,7 @@ def _first_in(hashes: Iterable[Any], wanted: set[Any]) -> int | None:
 
 
 def _block_dim(t: Any, num_blocks: int) -> int:
-    """The dimension of a KV tensor that indexes blocks (size ``num_blocks``).
-
-    A leading dimension of 2 (K/V) is skipped when another dimension also matches.
-    """
+    """The dimension of a KV tensor of size ``num_blocks`` (a leading K/V 2 skipped)."""
     dims = [i for i, s in enumerate(t.shape) if s == num_blocks]
     if not dims:
         raise AssertionError(f"no dimension of a KV tensor of shape {tuple(t.shape)} "
@@ -516,12 +470,7 @@ def _block_dim(t: Any, num_blocks: int) -> int:
 
 # ------------------------------------------------------- store-level fault injectors
 class ForeignWriter(Exception):  # noqa: N818 - reads as what was found
-    """Another writer changes files in the store folder: the injector stops.
-
-    Attributes:
-        path: the file that changed when only the connector should have written.
-
-    """
+    """Another writer changes ``path`` in the store folder: the injector stops."""
 
     def __init__(self, path: Path, why: str) -> None:
         """Name the file and why it counts as another writer's."""
@@ -539,41 +488,17 @@ Identity = run_store.Identity
 class FileStoreInjector:
     """Damages a file-based store (files under one directory), between steps.
 
-    Entries are the files under ``root``; ``entries_since(mark())`` are the files
-    a step wrote. ``lose`` deletes them, ``corrupt`` flips bits in the last
-    quarter of each (the payload; a header at the start still parses), ``tear``
-    truncates each to half its size, and ``failing_saves`` makes every file write
-    of the worker's save calls fail: the process's file-size limit
-    (``RLIMIT_FSIZE``) is lowered to 16 bytes around ``save_kv_layer`` /
-    ``wait_for_save`` (CPython ignores ``SIGXFSZ``, so the write returns
-    ``EFBIG``; this works for root too).
+    ``entries_since(mark())`` are the files a step wrote; ``lose`` deletes them,
+    ``corrupt`` flips bits, ``tear`` truncates, and ``failing_saves`` lowers
+    ``RLIMIT_FSIZE`` to :data:`FAILED_WRITE_LIMIT` bytes around ``save_kv_layer``
+    / ``wait_for_save`` (CPython ignores ``SIGXFSZ``: the write returns
+    ``EFBIG``, even as root). Only files the connector wrote in this run, in a
+    folder this run made, are touched; see docs/safety.md ("Store fault
+    injection"). ``refused`` lists entries left alone because they changed after
+    being recorded.
 
-    It damages only files the connector under test wrote in this run:
-
-    - ``root`` lies in a folder this process created in this run
-      (:func:`tvc.core.run_store.made_in_this_run`: the session's store folder);
-    - an entry is a file that appeared during the step, recorded as it appears
-      by path, device, inode, mtime and size (:meth:`entries_since`), once the
-      store folder is quiet; a file that was there before the step and changed
-      during it, or one that keeps changing once the step's writes are over
-      (checked every :func:`tvc.core.run_store.settle_s`, for at most
-      :data:`QUIET_MAX_S`), is
-      another writer's, and the injector stops (:class:`ForeignWriter`, sticky
-      for the injector, noted for the session's clean-up, which then keeps the
-      folder);
-    - before it touches an entry it checks the file is still the one recorded
-      (same device, inode, mtime and size): one changed meanwhile is left as it
-      is and listed in :attr:`refused` for the test to say so.
-
-    Symlinks are never entries. A file another program creates once inside the
-    connector's own store folder during the very step, and never again, cannot be
-    told from the connector's (docs/safety.md).
-
-    Attributes:
-        kinds: the faults this injector makes.
-        between_lookup_and_load: it can act after the lookup, before the load.
-        refused: entries left untouched because they changed after they were
-            recorded.
+    Raises:
+        FaultConfigError: ``root`` is in no folder this run created.
 
     """
 
@@ -602,10 +527,8 @@ class FileStoreInjector:
     def _quiet(self) -> dict[Path, Identity]:
         """A snapshot of the store once nothing changed in it for a settle time.
 
-        A file that changes in two settle times running is rewritten over and
-        over: another writer (:class:`ForeignWriter`) at once. New files that
-        keep appearing end the wait after :data:`QUIET_MAX_S` (scaled as the
-        settle time), also as another writer.
+        Raises :class:`ForeignWriter` when a file changes in two settle times running,
+        or changes keep coming for :data:`QUIET_MAX_S` (scaled as the settle time).
         """
         if self.foreign is not None:
             raise self.foreign
@@ -634,13 +557,8 @@ class FileStoreInjector:
     def entries_since(self, mark: dict[Path, Identity]) -> list[Path]:
         """Files that appeared since ``mark``, recorded as the connector's.
 
-        A file that was there at ``mark`` is never an entry; one that changed
-        since (other than by this injector) means another writer.
-
-        Raises:
-            ForeignWriter: a file there at ``mark`` changed, or the store folder
-                did not become quiet (see the class).
-
+        Raises :class:`ForeignWriter` when a file there at ``mark`` changed or the
+        folder did not become quiet.
         """
         now = self._quiet()
         for p in sorted(mark):
@@ -694,9 +612,8 @@ class FileStoreInjector:
     def corrupt(self, entries: Iterable[Path]) -> None:
         """Flip one bit in 8 bytes spread over the last quarter of one file.
 
-        The entry's largest file (its KV, not an index or manifest beside it;
-        the first by name among equals): bit rot strikes one file, and a store
-        that checks only its manifest loads the damaged KV silently.
+        The entry's largest file (its KV, not an index beside it): a store that
+        checks only its manifest loads the damaged KV silently.
         """
         mine = self._mine(entries)
         largest = sorted(mine, key=lambda q: (-q.stat().st_size, str(q)))[:1]
@@ -753,15 +670,12 @@ class FileStoreInjector:
 class ObjectStoreInjector:
     """Damages a store that is a Python object of the scheduler-side connector.
 
-    The store index is found by walking the connector's attributes (4 levels) for
-    the dict that grew when a prompt was stored, preferring one whose owner has a
-    ``remove(key)`` method (a cache policy: removing through it keeps its own books
-    consistent), then the one that grew the most; ``mark()`` records every
-    reachable dict's keys and ``entries_since`` returns that dict's new keys.
-    ``lose`` removes the entries, ``tear`` the later half (insertion order).
-    The scheduler plans a load in the same ``schedule()`` call as its lookup, so
-    this injector acts before the lookup (``between_lookup_and_load = False``):
-    the store evicted the entry and the connector must answer a shorter match.
+    The store index is the dict (within :data:`MAX_DEPTH` attribute levels) that
+    grew when a prompt was stored, preferring one whose owner has ``remove(key)``
+    (keeps a cache policy's books), then the largest growth. ``tear`` removes the
+    later half (insertion order). It acts before the lookup
+    (``between_lookup_and_load = False``: vLLM plans the load in the lookup's
+    ``schedule()`` call), as an eviction.
     """
 
     kinds = frozenset({"lose", "tear"})
@@ -826,18 +740,17 @@ class ObjectStoreInjector:
 def fault_injector_for(profile: Any, rig: Any) -> Any:
     """The store fault injector for a rig: the profile's hook, else a built-in.
 
-    ``connector.fault_injector = "module:function"`` is called with the rig and
-    returns an injector (an object with ``kinds``, ``between_lookup_and_load``,
-    ``mark``, ``entries_since`` and one method per kind). Empty: a
-    :class:`FileStoreInjector` on the first directory path (or ``file://`` URL)
-    of the connector's ``kv_connector_extra_config`` (after the suite moved it
-    to this session's store folder; made when missing, e.g. the exploration's
-    per-sequence stores), else an :class:`ObjectStoreInjector` on the
-    scheduler-side connector, unless the connector's own server holds its KV
-    (:func:`server_held_store`: None).
+    ``connector.fault_injector = "module:function"`` is called with the rig (an
+    injector has ``kinds``, ``between_lookup_and_load``, ``mark``,
+    ``entries_since`` and one method per kind). Else a :class:`FileStoreInjector`
+    on the first directory path (or ``file://`` URL) in
+    ``kv_connector_extra_config`` (made when missing under a folder this run
+    made), else an :class:`ObjectStoreInjector`, or None where a server holds the
+    KV (:func:`server_held_store`).
 
     Raises:
-        FaultConfigError: the hook cannot be imported or called.
+        FaultConfigError: the hook cannot be imported or called, or a store path
+            lies in no folder this run created.
 
     """
     import pkgutil
@@ -885,12 +798,9 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
 def server_held_store(profile: Any) -> str:
     """The ``[kv_server]`` kind whose process holds the connector's KV, or ''.
 
-    Such a store (LMCache's multiprocess server, Mooncake's master and its
-    clients) is out of reach of :class:`ObjectStoreInjector`: the dicts of the
-    connector object are its books, not its KV. On the H100 host (LMCache 0.5.3,
-    2026-12-05) the injector emptied a client-side dict, the server still held
-    the request's 2 of 2 chunks, and 4 store-fault tests blamed the connector
-    for a fault that never happened.
+    Such a store (LMCache's multiprocess server, Mooncake's master) is out of
+    reach of :class:`ObjectStoreInjector`: the connector object's dicts are its
+    books, not its KV.
     """
     try:
         return str(profile["kv_server"]["kind"] or "")

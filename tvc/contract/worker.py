@@ -48,14 +48,12 @@ WHOSE_KV_SEARCHES = 8
 def token_view(kv: Any, block_ids: Any, offsets: Any) -> Any:
     """Select per-token KV slots from a layer tensor of a known logical layout.
 
-    Args:
-        kv: ``(num_blocks, H, B, 2*D)`` (FlashAttention, K and V packed) or
-            ``(2, num_blocks, B, H, D)`` (older vLLM).
-        block_ids: long tensor ``(n,)``.
-        offsets: long tensor ``(n,)`` within the block.
+    ``kv`` is ``(num_blocks, H, B, 2*D)`` (FlashAttention, K and V packed) or
+    ``(2, num_blocks, B, H, D)`` (older vLLM); ``block_ids`` and ``offsets`` are
+    long ``(n,)``. Returns an ``(n, H, 2*D)`` or ``(2, n, H, D)`` view-copy.
 
-    Returns:
-        ``(n, H, 2*D)`` or ``(2, n, H, D)`` view-copy of the slots.
+    Raises:
+        AssertionError: an unknown KV cache layout.
 
     """
     if kv.dim() == 4:
@@ -67,12 +65,7 @@ def token_view(kv: Any, block_ids: Any, offsets: Any) -> Any:
 
 
 def set_token_slots(kv: Any, block_ids: Any, offsets: Any, values: Any) -> None:
-    """Write per-token KV slots: the inverse of :func:`token_view` (same layouts).
-
-    Raises:
-        AssertionError: an unknown KV cache layout.
-
-    """
+    """Write per-token KV slots: the inverse of :func:`token_view` (same errors)."""
     token_view(kv, block_ids[:0], offsets[:0])  # rejects unknown layouts
     if kv.dim() == 4:
         kv[block_ids, :, offsets] = values
@@ -83,18 +76,10 @@ def set_token_slots(kv: Any, block_ids: Any, offsets: Any, values: Any) -> None:
 def pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
     """Known KV pattern for tokens: integers in [-125, 125], exact in fp16/bf16.
 
-    The value depends on the layer, the token position and the token id, so a
-    block loaded into the wrong layer, block or position differs.
-
-    Args:
-        kv: a layer tensor (for dtype, device and per-token shape).
-        layer_idx: layer index.
-        positions: long tensor ``(n,)`` of token positions in the prompt.
-        tokens: long tensor ``(n,)`` of token ids at those positions.
-
-    Returns:
-        tensor shaped like :func:`token_view` for ``n`` tokens.
-
+    Depends on layer, position and token id, so a load into the wrong layer,
+    block or position differs. ``positions`` / ``tokens`` are long ``(n,)``;
+    ``kv`` gives dtype, device and per-token shape. Returns a tensor shaped like
+    :func:`token_view` of ``n`` tokens.
     """
     import torch
 
@@ -113,24 +98,12 @@ def pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
 
 
 def content_tokens(token_ids: Sequence[int] | None, mm_features: Any) -> list[int]:
-    """The token ids the KV pattern is computed from.
+    """The token ids the KV pattern is computed from (prompt ids; None: embeds-only).
 
-    A multimodal item's placeholder positions hold one placeholder token id in
-    the prompt, but a model's KV there comes from the item's embedding: each
-    such position gets an id derived from the item's ``identifier`` and the
-    position, so two images behind the same placeholder tokens have different
-    KV, as in a real model, and a load of one into the other differs bit for bit.
-
-    Args:
-        token_ids: the prompt's token ids (``NewRequestData.prompt_token_ids``;
-            None for an embeddings-only prompt).
-        mm_features: ``NewRequestData.mm_features`` (``MultiModalFeatureSpec``
-            with ``identifier`` and ``mm_position``), or None.
-
-    Returns:
-        token ids, those of placeholder positions replaced by ids at or above
-        the tiny model's vocabulary (never a real token's).
-
+    Multimodal placeholder positions (``NewRequestData.mm_features``) get ids at
+    or above the tiny model's vocabulary size, derived from the item's
+    ``identifier`` and the position: two images behind the same placeholders
+    have different KV.
     """
     import hashlib
 
@@ -150,17 +123,8 @@ def layer_index(name: str, position: int) -> int:
     """The model-wide index of a layer, from its name (``model.layers.<i>.``).
 
     Under pipeline parallelism a worker registers only its stage's layers, so
-    their position in its dict is not the layer's index; the KV pattern uses the
-    model-wide one, so a stage that loads another stage's layer differs.
-
-    Args:
-        name: the layer name vLLM registered.
-        position: its position among the worker's layers (used when the name
-            carries no index).
-
-    Returns:
-        the layer index.
-
+    ``position`` (its place in the worker's dict, used when the name carries no
+    index) is not the model-wide index the KV pattern uses.
     """
     import re
 
@@ -183,34 +147,24 @@ def allocate_cross_layer_kv_caches(vllm_config: Any, kv_cache_config: Any,
     """One KV tensor for all layers, as vLLM allocates it for such connectors.
 
     ``GPUModelRunner.initialize_kv_cache_tensors`` (``vllm/v1/worker/
-    gpu_model_runner.py``, 0.28) uses the uniform layout when
-    ``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` holds: the connector's
-    ``prefer_cross_layer_blocks`` is True, there is one KV cache group of
-    ``AttentionSpec`` layers without per-token-head quantisation, and the
-    attention backend ``indexes_kv_by_block_stride()``. It then calls
-    ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (used here as is)
-    and registers the tensor with ``register_cross_layers_kv_cache(tensor,
-    backend)`` instead of ``register_kv_caches``.
-
-    Args:
-        vllm_config: the config (made current: the backend's stride order reads
-            the connector's required KV layout through it).
-        kv_cache_config: from :func:`tvc.contract.builders.make_kv_cache_config`.
-        device: ``cpu`` or ``cuda``.
+    gpu_model_runner.py``, 0.28) does so when
+    ``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` holds (the connector's
+    ``prefer_cross_layer_blocks``, one group of ``AttentionSpec`` layers without
+    per-token-head quantisation, backend ``indexes_kv_by_block_stride()``), via
+    ``allocate_uniform_kv_caches`` (used here as is) and
+    ``register_cross_layers_kv_cache``. Checked on vLLM 0.26.0 (sources) and
+    0.28.0. ``vllm_config`` is made current (the stride order reads it).
 
     Returns:
-        ``(layer name -> per-layer view of logical shape (num_blocks, H, B, 2*D),
-        the cross-layer tensor, the attention backend)``; with FlashAttention and
-        the NHD layout the cross-layer tensor is ``(num_blocks, num_layers, B, H,
-        2*D)``, contiguous. ``({}, None, None)`` where vLLM would not use the
-        uniform layout for this KV cache config, or has no such allocation
-        (vLLM 0.33 has neither ``allocate_uniform_kv_caches`` nor
-        ``register_cross_layers_kv_cache`` calls: it registers per layer).
-        Checked on vLLM 0.26.0 (sources) and 0.28.0.
+        ``(layer name -> view of logical shape (num_blocks, H, B, 2*D), cross-layer
+        tensor, attention backend)``; with FlashAttention/NHD the cross-layer
+        tensor is ``(num_blocks, num_layers, B, H, 2*D)``, contiguous.
+        ``({}, None, None)`` where vLLM would not use the uniform layout or has no
+        such allocation (0.33 registers per layer).
 
     Raises:
-        HarnessIncompatible: ``allocate_uniform_kv_caches`` exists with other
-            parameters than the harness passes.
+        HarnessIncompatible: ``allocate_uniform_kv_caches`` takes other parameters
+            than the harness passes.
 
     """
     import torch
@@ -276,10 +230,8 @@ _DIST: dict[str, Any] = {"stack": None, "users": 0}
 def _acquire_distributed(vllm_config: Any, device: str) -> bool:
     """Make sure vLLM's world and TP groups exist; True when this call holds them.
 
-    Returns:
-        False when ``torch.distributed`` was already initialised by someone
-        else (e.g. a tensor-parallel harness): that owner keeps it.
-
+    False when ``torch.distributed`` was initialised by someone else (e.g. a
+    tensor-parallel harness): that owner keeps it.
     """
     import torch.distributed as dist
 
@@ -299,10 +251,7 @@ def _acquire_distributed(vllm_config: Any, device: str) -> bool:
 
 @atexit.register
 def _close_distributed_at_exit() -> None:
-    """Leave vLLM's groups before interpreter shutdown if a worker was never closed.
-
-    (Otherwise the context's clean-up runs during module teardown and fails.)
-    """
+    """Leave vLLM's groups before interpreter shutdown (else teardown fails)."""
     stack, _DIST["stack"], _DIST["users"] = _DIST["stack"], None, 0
     if stack is not None:
         with contextlib.suppress(Exception):
@@ -312,13 +261,8 @@ def _close_distributed_at_exit() -> None:
 def release_leftover_distributed() -> bool:
     """Leave vLLM's groups that unclosed workers of a finished test still hold.
 
-    Called after every test (fixture ``tvc_release_worker_distributed`` in
-    ``tvc/fixtures/contract.py``), so that no test starts inside another's
-    distributed environment.
-
-    Returns:
-        True when something was left and is now torn down.
-
+    Run after every test (``tvc_release_worker_distributed``,
+    ``tvc/fixtures/contract.py``); True when something was torn down.
     """
     stack, _DIST["stack"], _DIST["users"] = _DIST["stack"], None, 0
     if stack is None:
@@ -344,72 +288,39 @@ class ConnectorWorkerError(RuntimeError):
 class ConnectorWorker:
     """The connector's real worker side, driven the way the model runner drives it.
 
-    Per step (``vllm/v1/worker/kv_connector_model_runner_mixin.py``):
-    ``bind_connector_metadata``, ``start_load_kv``; per layer
-    ``handle_preemptions``, ``wait_for_layer_load``, attention (here: write the
-    known pattern into the scheduled tokens' slots), ``save_kv_layer``; then
-    ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
-    ``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
-    ``build_connector_worker_meta``, ``clear_connector_metadata``.
-
-    Set-up as ``GPUModelRunner`` does it: vLLM's distributed environment for
-    world size 1 (:func:`tvc.contract.distributed.vllm_distributed`, unless this
-    process already has one), the worker-role connector, then the KV caches:
-    one cross-layer tensor registered with ``register_cross_layers_kv_cache``
-    where the connector sets ``prefer_cross_layer_blocks`` and vLLM would use
-    the uniform layout (:func:`allocate_cross_layer_kv_caches`), else one
-    tensor per layer registered with ``register_kv_caches``.
-
-    Loads are judged against what the connector says: before each step the
-    slots of every synchronous external load (:meth:`expect_loads`) are filled
-    with :data:`POISON`; once verified, every loaded token must hold the stored
-    pattern, and the blocks the connector reports through
-    ``get_block_ids_with_load_errors()`` (and the requests it reports through
-    ``get_request_ids_with_load_errors()``, where it has it) must be exactly
-    the failed ones: the first reported block of a request is its first block
-    that does not hold the stored KV.
+    Calls in ``kv_connector_model_runner_mixin.py``'s order (:meth:`execute`); set
+    up as ``GPUModelRunner`` does: vLLM's world-size-1 distributed environment
+    (unless the process has one), the worker-role connector, one cross-layer
+    tensor (:func:`allocate_cross_layer_kv_caches`) or per-layer tensors. Slots of
+    synchronous loads get :data:`POISON` first; loaded tokens must hold the stored
+    pattern, and the blocks and requests reported failed must be exactly the
+    failed ones (docs/contract.md).
 
     Attributes:
         connector: the worker-role connector made by ``KVConnectorFactory``.
         kv_caches: layer name -> KV tensor (see :func:`allocate_kv_caches`).
-        cross_layer_kv_cache: the cross-layer tensor when one was registered,
-            else None.
-        loaded: request id -> number of tokens vLLM counted as computed (local
-            prefix cache hit + connector load) when the request first computed;
-            their slots are verified in that step (filled by :meth:`execute`; a
-            request resumed after preemption is verified again).
-        load_errors: one sentence per request whose verified slots differ, or
-            whose load-error report names blocks or requests that did not fail.
-        reported_invalid_blocks: every block the connector reported through
-            ``get_block_ids_with_load_errors`` (mismatches at or after a
-            request's first reported block are excused: vLLM recomputes them).
+        cross_layer_kv_cache: the cross-layer tensor when one was registered.
+        loaded: request id -> tokens vLLM counted computed (local hit + load) at
+            its first compute (again after a resume), verified in that step.
+        load_errors: one sentence per wrong load or wrong load-error report.
+        reported_invalid_blocks: every block reported through
+            ``get_block_ids_with_load_errors`` (vLLM recomputes from the first).
         reported_loads: request id -> first token of its first reported block.
-        reported_before_compute: request id -> first token of its first block
-            reported failed before the request first computed (an asynchronous
-            load's failure, reported with its finished_recving).
+        reported_before_compute: the same, reported before its first compute (an
+            asynchronous load's failure).
         verified: request id -> token ranges verified.
         resumed: request ids seen resumed after preemption, in order.
-        heal_reported: when True (the exploration sets it), the blocks of a
-            reported failed load — from the request's first reported block to
-            what vLLM counted as computed — get the stored pattern once the
-            step's loads are judged, as the failed request's recompute would
-            write it. vLLM's recompute policy leaves those blocks in its
-            prefix cache (``Scheduler._handle_invalid_blocks`` evicts them only
-            under ``kv_load_failure_policy = "fail"``, 0.28 and 0.33) and counts
-            on that recompute; when the request is aborted or preempted first,
-            a later local prefix-cache hit (or a twin that shares the blocks)
-            reads whatever the failed load left. That is vLLM's recovery, not
-            the connector's load: without healing the later request, or the
-            store entry saved from it, would blame the connector.
+        heal_reported: write the stored pattern into a reported failed load's
+            blocks once judged (the exploration sets it): vLLM's recompute policy
+            keeps them in its prefix cache (``Scheduler._handle_invalid_blocks``
+            evicts only under policy ``fail``, 0.28 and 0.33), so what a later hit
+            reads after an abort or preemption is vLLM's gap, not the connector's.
         unrecomputed: healed blocks no request has computed since.
-        unrecomputed_reads: one sentence per later request whose local hit
-            covered such a block (vLLM served a block it never recomputed; the
-            connector is not at fault).
+        unrecomputed_reads: one sentence per later local hit on such a block.
 
     Raises:
-        ConnectorWorkerError: creating the connector or registering the KV
-            caches failed; the message starts with the known cause where
-            :mod:`tvc.core.error_hints` knows it.
+        ConnectorWorkerError: creating the connector or registering the KV caches
+            failed (known cause first, :mod:`tvc.core.error_hints`).
         tvc.contract.distributed.DistributedSetupError: vLLM's distributed
             environment cannot be set up in this process.
 
@@ -516,10 +427,7 @@ class ConnectorWorker:
                 f"{runner[1]}): {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Shut the connector down and leave vLLM's distributed environment.
-
-        Idempotent; called by the contract fixtures at teardown.
-        """
+        """Shut the connector down and leave vLLM's distributed state (idempotent)."""
         c = getattr(self, "connector", None)
         self.connector = None
         try:
@@ -532,12 +440,7 @@ class ConnectorWorker:
                 _release_distributed()
 
     def watch_frees(self, scheduler: Any) -> None:
-        """Mark the blocks vLLM frees (:class:`tvc.contract.freed.FreedBlocks`).
-
-        Args:
-            scheduler: the rig's vLLM ``Scheduler`` (same process).
-
-        """
+        """Mark the blocks vLLM's ``scheduler`` frees (:mod:`tvc.contract.freed`)."""
         from tvc.contract.freed import FreedBlocks
 
         self.freed = FreedBlocks(self.kv_caches)
@@ -549,24 +452,18 @@ class ConnectorWorker:
         return self.freed.uses if self.freed is not None else []
 
     def expect_loads(self, loads: dict[str, tuple[int, int]]) -> None:
-        """Token ranges this step's synchronous external loads must fill.
+        """Set this step's synchronous loads: request id -> ``(start, end)`` tokens.
 
-        Args:
-            loads: request id -> ``(start, end)`` token positions (from
-                :meth:`tvc.contract.driver.EngineDriver._sync_loads`).
-
+        From :meth:`tvc.contract.driver.EngineDriver._sync_loads`.
         """
         self._expected_loads = dict(loads)
 
     def zero(self) -> None:
         """Zero the KV tensors (the load must then restore exactly the hit).
 
-        Where vLLM's frees are watched (:meth:`watch_frees`), the blocks vLLM
-        has free keep their KV: vLLM never writes a free block, and a save a
-        connector finishes later from a freed block (vLLM's OffloadingConnector
-        stores a finished request's last blocks a step or more after it ends)
-        must read what the request computed. They get the unwritten mark when
-        vLLM hands them out again.
+        Blocks vLLM has free keep their KV where frees are watched: vLLM's
+        OffloadingConnector saves a finished request's last blocks a step or more
+        after it ends.
         """
         import torch
 
@@ -622,9 +519,7 @@ class ConnectorWorker:
     def verify_range(self, req_id: str, start: int, end: int) -> str:
         """Check every layer's slots of tokens [start, end) hold the pattern.
 
-        Returns:
-            '' when bit-identical, else a sentence naming layer, token and block.
-
+        Returns '' when bit-identical, else a sentence naming layer, token and block.
         """
         bad = self.first_mismatch(req_id, start, end)
         return bad[1] if bad else ""
@@ -632,10 +527,7 @@ class ConnectorWorker:
     def stray_block(self, req_id: str) -> str:
         """Check that only ``req_id``'s blocks hold non-zero KV (caches zeroed first).
 
-        Returns:
-            '' when every block outside ``block_table[req_id]`` is all zeros in
-            every layer, else a sentence naming the layer and the first such block.
-
+        Returns '' or a sentence naming the layer and the first other non-zero block.
         """
         import torch
 
@@ -661,11 +553,8 @@ class ConnectorWorker:
                        ) -> tuple[int, str] | None:
         """The first token of [start, end) that does not hold the pattern.
 
-        Returns:
-            None when every layer's slots are bit-identical to the pattern,
-            else ``(token position, sentence naming layer, token and block)``;
-            the position is the smallest over all layers.
-
+        Returns None, or ``(token position, sentence naming layer, token and
+        block)`` for the smallest position over all layers.
         """
         import torch
 
@@ -709,23 +598,10 @@ class ConnectorWorker:
         return worst
 
     def _written_outside(self, name: str) -> str:
-        """Blocks written that vLLM never gave anyone: where a missing load went.
+        """Blocks written that vLLM never gave anyone (a missing load's), or "".
 
-        A block in no request's table, not free with its KV kept
-        (:class:`tvc.contract.freed.FreedBlocks`), not a queued asynchronous
-        load's and not the null block 0 was never handed out, so it still holds
-        the zeros it was allocated with, unless a connector wrote into it.
-        Needs vLLM's frees watched and one KV cache group (one block table per
-        request); otherwise nothing is claimed.
-
-        Writes into blocks vLLM had free (:attr:`freed_uses`) are named too.
-
-        Returns:
-            "; meanwhile N block(s) of layer L that no request holds were
-            written (X, Y, ...) [and M block(s) were written while vLLM had them
-            free (first: ...)]: the load went to other blocks than the
-            request's ...", or "".
-
+        Needs vLLM's frees watched and one KV cache group; also names writes into
+        free blocks (:attr:`freed_uses`).
         """
         import torch
 
@@ -757,20 +633,7 @@ class ConnectorWorker:
                 "request's (a wrong block id, stride or KV layout)")
 
     def _whose_kv(self, req_id: str, name: str, layer: int, pos: int) -> str:
-        """Whose KV the block of ``pos`` holds: another layer's, another block's.
-
-        A diagnosis for a mismatch: a load into (or a save from) the wrong layer
-        holds the same tokens' KV of another layer; one through the wrong block
-        of the request's own table holds another position's KV of the same
-        prompt; a save from a block vLLM had handed to another request holds
-        that request's KV (the newest :data:`WHOSE_KV_REQUESTS` are searched).
-
-        Returns:
-            "; the slots hold layer X's KV of these tokens", "; the block holds
-            the KV of tokens [a, b) of this request", "; the block holds the KV
-            of tokens [a, b) of request R: …", or "".
-
-        """
+        """Whose KV the block of ``pos`` holds (another layer's or block's), or ""."""
         import torch
 
         b = self.block_size
@@ -804,16 +667,7 @@ class ConnectorWorker:
 
     def _other_requests_kv(self, req_id: str, name: str, layer: int, pos: int
                            ) -> str:
-        """Whether the block of ``pos`` holds, where it is wrong, another request's KV.
-
-        A save from a block vLLM had handed to another request (the newest
-        :data:`WHOSE_KV_REQUESTS` are searched) stores that request's KV, in
-        the tokens it computed there (the rest may hold :data:`UNWRITTEN`).
-
-        Returns:
-            "; the block holds the KV of tokens [a, b) of request R: …" or "".
-
-        """
+        """Whether the block of ``pos`` holds another request's KV, or ""."""
         import torch
 
         b = self.block_size
@@ -858,20 +712,12 @@ class ConnectorWorker:
 
     def poison_blocks(self, block_ids: Sequence[int], start: int, end: int,
                       req_id: str | None = None) -> None:
-        """Fill tokens [start, end) of a block table with :data:`POISON`.
+        """Queue tokens [start, end) of a block table for :data:`POISON`.
 
-        Done in the next worker step, right after ``handle_preemptions`` (what
-        a connector finishes there may still read a block vLLM handed out
-        again). Tokens past the table's blocks are left out.
-
-        Args:
-            block_ids: the blocks vLLM allocated the request.
-            start: first token to poison.
-            end: token after the last to poison.
-            req_id: the request loading asynchronously into them: its blocks
-                are known from here, before the scheduler sends it (a failure
-                its load reports before it computes names these blocks).
-
+        Written next worker step, right after ``handle_preemptions`` (what a
+        connector finishes there may still read a reused block); tokens past the
+        table are left out. ``req_id``: the asynchronous load into them (a failure it
+        reports before computing names these blocks).
         """
         if req_id is not None and req_id not in self.loaded:
             self._async_tables[req_id] = (list(block_ids), end)
@@ -882,8 +728,8 @@ class ConnectorWorker:
     def poison(self, req_id: str, start: int, end: int) -> None:
         """Fill tokens [start, end) of a request with :data:`POISON` in every layer.
 
-        Done before a synchronous load, so that a token the connector does not
-        load can never hold the stored pattern by chance (a reused block).
+        Before a synchronous load, so an unloaded token never holds the pattern by
+        chance (a reused block).
         """
         if end > start:
             self._poison_slots(self.block_table[req_id], start, end)
@@ -903,14 +749,7 @@ class ConnectorWorker:
             set_token_slots(kv, b, o, torch.full_like(token_view(kv, b, o), value))
 
     def _before_load(self, expected: dict[str, tuple[int, int]]) -> None:
-        """The harness's writes before a step's loads: marks, then poison.
-
-        Right after ``handle_preemptions`` (where a connector finishes what
-        still reads a block vLLM hands out again): the unwritten mark of blocks
-        handed out fresh (:meth:`tvc.contract.freed.FreedBlocks.flush`), then
-        the poison of this step's synchronous loads (``expected``) and of the
-        asynchronous loads :meth:`poison_blocks` queued.
-        """
+        """The harness's writes after ``handle_preemptions``: marks, then poison."""
         import torch
 
         if self.freed is not None:
@@ -932,15 +771,10 @@ class ConnectorWorker:
 
     def find_shift(self, req_id: str, start: int, end: int, max_shift: int
                    ) -> int | None:
-        """The offset d (0 < |d| <= max_shift) such that token t's KV sits at t + d.
+        """The offset d (0 < |d| <= max_shift tokens) putting token t's KV at t + d.
 
-        A diagnosis for a failed :meth:`verify_range`: loaded KV written d tokens
-        away from its slots. Only tokens whose shifted slot also lies in
-        [start, end) are compared (first layer).
-
-        Returns:
-            d, or None when no single shift explains the slots.
-
+        None when no single shift explains the slots; diagnoses a failed
+        :meth:`verify_range` (first layer, slots in [start, end)).
         """
         import torch
 
@@ -964,9 +798,8 @@ class ConnectorWorker:
     def write_pattern(self, req_id: str, start: int, end: int) -> None:
         """The fake attention: write the pattern into tokens [start, end).
 
-        Positions past the prompt hold the driver's sampled token
-        (``SAMPLED_TOKEN_ID``), so decoded tokens get their KV too (a request
-        resumed after preemption finds them in vLLM's local prefix cache).
+        Positions past the prompt hold ``SAMPLED_TOKEN_ID``, so decoded tokens get KV
+        too (a resumed request finds them in vLLM's prefix cache).
         """
         end = min(end, len(self.block_table[req_id]) * self.block_size)
         if end <= start:
@@ -983,8 +816,7 @@ class ConnectorWorker:
     def pattern(self, kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
         """The KV this worker's attention writes: :func:`pattern_values`.
 
-        A subclass may override it (the TP harness gives each rank its own heads'
-        share of one model-wide pattern, :mod:`tvc.contract.tp`).
+        The TP harness overrides it (:mod:`tvc.contract.tp`).
         """
         return pattern_values(kv, layer_idx, positions, tokens)
 
@@ -1002,17 +834,12 @@ class ConnectorWorker:
         return blocks, offs, pos, tok
 
     def execute(self, so: Any, meta: Any) -> Any:
-        """Run one worker step for scheduler output ``so`` with metadata ``meta``.
-
-        Returns:
-            ``KVConnectorOutput`` filled as the model runner fills it.
+        """Run one worker step; return ``KVConnectorOutput`` as the model runner does.
 
         Raises:
             ConnectorWorkerError: a connector call raised an error whose cause
-                :mod:`tvc.core.error_hints` knows; the message starts with it and
-                names
-                the call. Any other exception propagates as raised, with a note
-                naming the call.
+                :mod:`tvc.core.error_hints` knows; any other exception propagates with
+                a note naming the call.
 
         """
         from vllm.config import set_current_vllm_config
@@ -1052,11 +879,9 @@ class ConnectorWorker:
                 step = "wait_for_layer_load"
                 for name in self.names:
                     c.wait_for_layer_load(name)
-                # Tokens the scheduler counts as computed but this step does not
-                # compute were loaded by the connector (or are vLLM's local
-                # prefix cache hit): verify them once this step's attention has
-                # written its tokens (a local hit may be a block another request
-                # of the same step computes).
+                # tokens counted computed but not computed now (a load or a local
+                # hit) are verified after this step's attention wrote its tokens:
+                # a local hit may be a block another request of this step computes
                 for rid, start, end in work:
                     self.write_pattern(rid, start, end)
                 for rid, start, _end in work:
@@ -1103,14 +928,10 @@ class ConnectorWorker:
 
     def _mark_failed_loads(self, checks: list[tuple[str, int, tuple[int, str] | None]]
                            ) -> None:
-        """Fill the reported blocks of this step's failed loads with FAILED_LOAD.
+        """Fill this step's reported failed blocks with FAILED_LOAD (policy ``fail``).
 
-        Under ``kv_load_failure_policy = "fail"`` vLLM ends such a request
-        FINISHED_ERROR and never computes those blocks (``Scheduler.
-        _handle_invalid_blocks``; it evicts them from its prefix cache). A
-        connector that saves them anyway (counting what it loaded instead of
-        ``request.num_computed_tokens``) serves this mark to a later request,
-        and the load error names the save (:func:`mark_meaning`).
+        vLLM never computes them (``Scheduler._handle_invalid_blocks``): a connector
+        that saves them anyway serves the mark later (:func:`mark_meaning`).
         """
         for rid, start, _bad in checks:
             first = self._reported_now.get(rid)
@@ -1126,20 +947,8 @@ class ConnectorWorker:
                             expected: dict[str, tuple[int, int]]) -> None:
         """Record a write after the forward into the block a load shares with it.
 
-        A synchronous load that ends inside a block (a ``len - 1`` full-prompt
-        hit, :func:`tvc.contract.invariants.full_prompt_ends`) leaves the rest of
-        that block to the forward of the same step. A copy into those slots before
-        the forward is overwritten by it (vLLM's attention writes every scheduled
-        token's KV, ``reshape_and_cache``, before reading), which is what LMCache
-        does: it retrieves the whole stored prompt although it answered
-        ``len - 1``. A copy that lands after the forward replaces the KV vLLM
-        computed for the last token, which every later token attends to. So at
-        the end of the step those slots must still hold what the forward wrote.
-
-        Args:
-            work: this step's ``(request id, first computed token, end)``.
-            expected: this step's synchronous loads (request -> token range).
-
+        A ``len - 1`` load ending inside a block leaves the rest to the forward
+        (``reshape_and_cache``); a copy landing later replaces the last token's KV.
         """
         b = self.block_size
         for rid, start, end in work:
@@ -1179,14 +988,10 @@ class ConnectorWorker:
     def _finish_step(self, c: Any, so: Any, out: Any) -> None:
         """The connector calls after the forward, in the model runner's order.
 
-        ``kv_connector_model_runner_mixin._get_kv_connector_output`` (0.28.0
-        L98-L112) and ``gpu/kv_connector.py post_forward`` (L77-L96):
-        ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
-        ``get_kv_connector_stats``, ``get_kv_connector_kv_cache_events``,
-        ``build_connector_worker_meta``, ``clear_connector_metadata``; vLLM 0.33
-        adds ``finish_forward`` and ``get_transfer_results``. Fills ``out``
-        and :attr:`_failed_requests`; :attr:`_step` names the call under way
-        (for a failure's note).
+        ``kv_connector_model_runner_mixin._get_kv_connector_output`` (0.28.0 L98-L112)
+        and ``gpu/kv_connector.py post_forward`` (L77-L96); vLLM 0.33 adds
+        ``finish_forward`` and ``get_transfer_results``. Fills ``out`` and
+        :attr:`_failed_requests`; :attr:`_step` names the call under way.
         """
         self._failed_requests: set[str] | None = None
         self._step = "wait_for_save"
@@ -1240,11 +1045,7 @@ class ConnectorWorker:
                 "request recomputed since")
 
     def _heal(self, checks: list[tuple[str, int, tuple[int, str] | None]]) -> None:
-        """Write the pattern into the reported blocks of this step's failed loads.
-
-        See :attr:`heal_reported`: from each request's first reported block
-        (:attr:`reported_loads`) up to the tokens vLLM counted as computed.
-        """
+        """Write the pattern into this step's reported failed blocks (heal_reported)."""
         for rid, start, _bad in checks:
             first = self._reported_now.get(rid)
             if first is None or first >= start:
@@ -1255,12 +1056,7 @@ class ConnectorWorker:
                 self.block_table[rid][first // b: -(-start // b)])
 
     def _mismatch_text(self, rid: str, start: int, bad: tuple[int, str]) -> str:
-        """What was wrong in request ``rid``'s first ``start`` tokens.
-
-        :meth:`verify_range` now (a subclass names its rank); when the slots hold
-        the stored KV by now, the mismatch the forward saw (``bad``), with why:
-        the load landed after the forward read the KV.
-        """
+        """What was wrong in ``rid``'s first ``start`` tokens (or: a late load)."""
         now = self.verify_range(rid, 0, start)
         if now:
             return now
@@ -1279,26 +1075,10 @@ class ConnectorWorker:
                      failed_reqs: set[str] | None) -> None:
         """Record wrong loads and wrong load-error reports of one step.
 
-        vLLM recomputes a request from its first block reported through
-        ``get_block_ids_with_load_errors`` (``kv_load_failure_policy``), so:
-
-        * a token before the first reported block (or in a request with none)
-          that does not hold the stored KV is a load error;
-        * where the load was synchronous (its slots were poisoned first), a first
-          reported block that holds exactly the stored KV is a false report
-          (vLLM recomputes KV the connector did load);
-        * ``get_request_ids_with_load_errors()`` (a hook some connectors add;
-          vLLM 0.28 never calls it) must name exactly the requests whose loads
-          failed or had blocks reported.
-
-        Args:
-            checks: (request id, tokens counted computed at its first compute,
-                first mismatch in [0, that) or None) per newly computed request.
-            invalid: block ids the connector reported in this step.
-            expected: synchronous loads of this step (request -> token range).
-            failed_reqs: what ``get_request_ids_with_load_errors()`` returned, or
-                None when the connector has no such method.
-
+        ``checks``: (request id, tokens counted computed, first mismatch or None) per
+        newly computed request. vLLM recomputes from a request's first reported
+        block; ``get_request_ids_with_load_errors()`` (vLLM 0.28 never calls it) must
+        name exactly the failed requests.
         """
         b = self.block_size
         self._reported_now = {}
@@ -1370,15 +1150,9 @@ SHORT_LOAD = "the connector claimed more tokens than its load brought"
 def short_load(bad: tuple[int, str], start: int) -> str:
     """A diagnosis when only the tail of the computed tokens was never written.
 
-    Args:
-        bad: :meth:`ConnectorWorker.first_mismatch` of tokens [0, ``start``).
-        start: the tokens vLLM counted computed (local hit + matched tokens).
-
-    Returns:
-        "; tokens [0, p) hold ... off-by-one ..." when every token from the
-        first mismatch to ``start`` differs and still holds zeros or the
-        harness's poison (the tokens before it are right); else ''.
-
+    ``bad``: :meth:`ConnectorWorker.first_mismatch` of tokens [0, ``start``).
+    Returns "; tokens [0, p) hold ... off-by-one ..." when every token from the
+    mismatch on still holds zeros or the poison, else ''.
     """
     pos, text = bad
     m = re.search(r"\((\d+) of \d+ tokens differ; their slots (are still zero|"
@@ -1394,12 +1168,9 @@ def short_load(bad: tuple[int, str], start: int) -> str:
 class JobAckWorker:
     """Stand-in for a worker that cannot run on this box (e.g. CUDA-only copies).
 
-    It acknowledges the scheduler-side transfer protocol used by job-based
-    connectors: metadata with ``load_jobs`` / ``store_jobs`` dicts (job id ->
-    job with ``req_id``), answered one step later with a worker metadata object
-    from the same module that has ``mark_completed(job_id)``, plus
-    ``finished_recving`` for the requests whose load jobs completed. It moves no
-    bytes: scheduler-side tests use it, the worker-side tests use the real worker.
+    Acknowledges job-based connectors: metadata ``load_jobs`` / ``store_jobs``
+    (job id -> job with ``req_id``) answered one step later with the module's
+    worker metadata (``mark_completed``) and ``finished_recving``. Moves no bytes.
     """
 
     #: recorded as the ``worker`` property of tests that ran with it
@@ -1430,11 +1201,11 @@ class JobAckWorker:
             getattr(meta, "store_jobs", None), dict)
 
     def execute(self, so: Any, meta: Any) -> Any:
-        """Acknowledge last step's jobs; queue this step's (see class doc).
+        """Acknowledge last step's jobs; queue this step's.
 
-        Under :class:`tvc.contract.faults.FaultInjectingConnector` the faults it planned
-        with reporting on are reported as vLLM expects: a synchronous load's in
-        this pass, an asynchronous load's in the pass that finishes receiving it.
+        Under :class:`tvc.contract.faults.FaultInjectingConnector`, planned faults with
+        reporting on are reported as vLLM expects: a synchronous load's in this pass,
+        an asynchronous load's in the pass that finishes receiving it.
         """
         from vllm.v1.outputs import KVConnectorOutput
 

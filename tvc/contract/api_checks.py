@@ -1,17 +1,11 @@
 """Checks of the connector methods vLLM calls but no scenario judged before.
 
-Each check takes what a rig's :class:`~tvc.contract.coverage.CoverageLog`
-recorded (every answer the connector gave vLLM) and compares it with vLLM's own
-use of it, and with what the run really did (the requests added, their block
-hashes and tokens). Each raises ``AssertionError`` with one sentence naming the
-method, what was expected, what was seen, and the vLLM source that relies on it.
-
-- :func:`check_stats`: ``get_kv_connector_stats`` answers as vLLM's scheduler
-  (``update_from_output``), ``KVOutputAggregator`` and ``KVConnectorLogging`` use
-  them.
-- :func:`check_events`: ``take_events`` / ``get_kv_connector_kv_cache_events``
-  name only blocks this run stored, with their tokens, and announce every block
-  an external hit served.
+Each check compares what a rig's :class:`~tvc.contract.coverage.CoverageLog`
+recorded with vLLM's own use of it and with what the run did, and raises
+``AssertionError`` naming the method, the expected and seen values and the vLLM
+source that relies on it. Entry points: :func:`check_stats`
+(``get_kv_connector_stats``), :func:`check_prom_metrics` and
+:func:`check_events` (``take_events`` / ``get_kv_connector_kv_cache_events``).
 """
 
 from __future__ import annotations
@@ -42,14 +36,10 @@ def _where(name: str) -> str:
 def assert_stats_type(obj: Any, side: str, step: int) -> None:
     """A ``get_kv_connector_stats`` answer is None or a ``KVConnectorStats``.
 
-    Checked the moment the connector answers (the driver's recording wrapper),
-    before vLLM uses it: the scheduler calls ``is_empty()`` / ``aggregate()`` on
-    it and reads ``.data`` (``update_from_output``, ``make_stats``), so any other
-    type fails there, far from its cause.
-
-    Raises:
-        AssertionError: another type, naming the method, side and step.
-
+    Checked when the connector answers (AssertionError naming method, side and
+    step): vLLM's scheduler calls ``is_empty()`` / ``aggregate()`` and reads
+    ``.data`` (``update_from_output``, ``make_stats``), so another type fails there,
+    far from its cause.
     """
     if obj is not None and not isinstance(obj, _stats_cls()):
         raise AssertionError(
@@ -62,30 +52,16 @@ def assert_stats_type(obj: Any, side: str, step: int) -> None:
 def check_stats(log: CoverageLog, connector_cls: type[Any], *, idle_steps: int) -> int:
     """``get_kv_connector_stats`` answers follow vLLM's interval contract.
 
-    Every answer (both sides) must be None or a ``KVConnectorStats``
-    (the scheduler calls ``is_empty()`` and ``aggregate()`` on it,
-    ``vllm/v1/core/sched/scheduler.py`` ``update_from_output``); a non-empty one
-    must pickle (stats travel from workers to the logger process), ``reduce()``
-    to ``{str: int | float}``, be rebuilt by
-    ``connector_cls.build_kv_connector_stats(data)`` into the same type with the
-    same ``reduce()`` (``KVConnectorLogging.observe``), and ``aggregate`` with
-    such a rebuilt copy into the same type, non-empty. The answers of the last
-    step (after ``idle_steps`` steps with no transfer in flight) must add
-    nothing when aggregated with itself (only gauges may remain): stats are
-    "collected during the last interval" (base.py docstring), so counters that
-    never reset count old transfers again in every interval.
-
-    Args:
-        log: the rig's coverage log (its ``stats`` list: ``(side, step, obj)``).
-        connector_cls: the connector class (for ``build_kv_connector_stats``).
-        idle_steps: how many final steps ran with nothing in flight.
-
-    Returns:
-        the number of non-empty answers checked.
-
-    Raises:
-        AssertionError: an answer breaks one of the rules above.
-
+    Each answer in ``log.stats`` (``(side, step, obj)``) is None or a
+    ``KVConnectorStats`` (``update_from_output``, ``vllm/v1/core/sched/scheduler.py``);
+    a non-empty one pickles (workers -> logger process), ``reduce()`` gives
+    ``{str: int | float}``, ``connector_cls.build_kv_connector_stats(data)`` rebuilds
+    it to the same type and ``reduce()`` (``KVConnectorLogging.observe``), and
+    ``aggregate`` keeps it non-empty. The last step's answer (after ``idle_steps``
+    steps with nothing in flight) must add nothing aggregated with itself (only
+    gauges remain): stats are "collected during the last interval" (base.py
+    docstring). Returns the number of non-empty answers checked; AssertionError on
+    a broken rule.
     """
     src = _where("get_kv_connector_stats")
     last_step = max((s for _side, s, _o in log.stats), default=0)
@@ -144,24 +120,10 @@ def check_prom_metrics(connector_cls: type[Any], vllm_config: Any, stats: Any,
                        log: CoverageLog) -> int:
     """``build_prom_metrics`` and ``observe`` as vLLM's ``KVConnectorProm`` runs them.
 
-    vLLM's Prometheus logger builds the connector's metrics with its own metric
-    classes (``KVConnectorProm.__init__``, here bound to a private registry so
-    nothing global is touched) and feeds every interval's stats data to
-    ``observe(data, engine_idx)``.
-
-    Args:
-        connector_cls: the connector class.
-        vllm_config: the rig's config.
-        stats: a non-empty stats answer (its ``data`` is observed).
-        log: the coverage log.
-
-    Returns:
-        the number of samples the connector's metrics expose after observing.
-
-    Raises:
-        AssertionError: building or observing raised, or nothing was exported
-            after observing a non-empty interval.
-
+    Built with vLLM's metric classes (``KVConnectorProm.__init__``) bound to a
+    private registry, then ``observe(data, engine_idx)`` on a non-empty ``stats``.
+    Returns the samples exported; AssertionError if building or observing raised
+    or nothing was exported.
     """
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -200,13 +162,7 @@ def check_prom_metrics(connector_cls: type[Any], vllm_config: Any, stats: Any,
 
 def _assert_idle_interval(obj: Any, connector_cls: type[Any], side: str, step: int,
                           idle_steps: int, src: str) -> None:
-    """An answer after every transfer ended adds nothing when aggregated.
-
-    A gauge (a snapshot such as cache usage) may stay; a counter or a histogram
-    observation that is still there after the idle steps was not reset:
-    aggregating the interval with itself (as vLLM's logger accumulates
-    intervals) then changes the figures.
-    """
+    """An answer after every transfer ended adds nothing when aggregated with itself."""
     try:
         one = connector_cls.build_kv_connector_stats(data=stats_payload(obj))
         two = connector_cls.build_kv_connector_stats(data=stats_payload(obj))
@@ -228,8 +184,7 @@ def _assert_idle_interval(obj: Any, connector_cls: type[Any], side: str, step: i
 def stats_payload(obj: Any) -> dict[str, Any]:
     """The dict vLLM sends to its logger: ``to_dict()`` (0.33) or ``.data`` (0.28).
 
-    (``Scheduler.make_stats``: ``kv_connector_stats.to_dict()`` in 0.33,
-    ``kv_connector_stats.data`` in 0.28), deep-copied through pickle as the
+    As ``Scheduler.make_stats`` sends it, deep-copied through pickle as the
     engine-core output is.
     """
     data = obj.to_dict() if hasattr(obj, "to_dict") else obj.data
@@ -240,14 +195,8 @@ def known_blocks(requests: Iterable[Any], block_size: int
                  ) -> dict[Any, tuple[tuple[int, ...], Any]]:
     """Every full block the run's requests hashed, as KV events name them.
 
-    Args:
-        requests: the driver's added requests.
-        block_size: B in tokens.
-
-    Returns:
-        external hash (``maybe_convert_block_hash``) -> (the block's token ids,
-        the external hash of the block before it or None).
-
+    Maps the external hash (``maybe_convert_block_hash``) to (the block's token ids,
+    the external hash of the block before it or None).
     """
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -264,12 +213,10 @@ def known_blocks(requests: Iterable[Any], block_size: int
 
 
 def raw_block_hashes(requests: Iterable[Any]) -> dict[Any, Any]:
-    """Raw ``BlockHash`` (vLLM's) of every block the requests hashed -> external.
+    """Raw ``BlockHash`` of every block the requests hashed -> its external form.
 
-    Where vLLM publishes another form (``maybe_convert_block_hash``: the low 64
-    bits as an int while ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its default),
-    a connector's event that carries the raw bytes names the right block in the
-    wrong form.
+    Only where they differ (``maybe_convert_block_hash``: the low 64 bits as an int
+    while ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default).
     """
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -299,26 +246,12 @@ def assert_chain(ev: Any, blocks: dict[Any, tuple[tuple[int, ...], Any]],
                  where: str) -> None:
     """A ``BlockStored`` is a piece of vLLM's hash chain, hung on its parent.
 
-    vLLM publishes newly cached blocks with the hash of the block before their
-    first (``parent_block_hash``; None only for a request's first block),
-    ``block_pool.py`` ``cache_full_blocks`` 0.28, and so do its connectors'
-    self-describing events (``offloading/events.py``: "Events are
-    self-contained (own parent)"): a consumer builds its prefix tree from
-    them. So: ``parent_block_hash`` is the block before the event's first
-    block in vLLM's chain (None exactly when that block is a first block), and
-    each listed block's parent is the one listed before it. (A placeholder
-    event without tokens and with ``block_size`` 0, which vLLM's offloading
-    emits for consumers to ignore, carries no chain; that the parent is
-    announced somewhere in the run is checked by :func:`check_events`.)
-
-    Args:
-        ev: the ``BlockStored``.
-        blocks: :func:`known_blocks`.
-        where: side and step, for the message.
-
-    Raises:
-        AssertionError: names the block, the parent seen and vLLM's.
-
+    As vLLM publishes blocks (``block_pool.py`` ``cache_full_blocks`` 0.28;
+    ``offloading/events.py``: "Events are self-contained (own parent)"):
+    ``parent_block_hash`` is the block before the first (None exactly for a first
+    block), and each listed block's parent is the one before it. Placeholder events
+    (no tokens, ``block_size`` 0) are skipped. The AssertionError names the block,
+    the parent seen and vLLM's.
     """
     if not ev.block_hashes:
         return
@@ -351,29 +284,17 @@ def check_events(log: CoverageLog, requests: Iterable[Any], block_size: int,
                  served: dict[str, int]) -> dict[str, int]:
     """KV cache events name only blocks this run stored, and every block served.
 
-    Rules (``vllm/distributed/kv_events.py``: ``BlockStored``,
-    ``BlockRemoved``, ``AllBlocksCleared``): every event is one of those; a
-    ``BlockStored`` names hashes of blocks a request of this run computed (in
-    the form vLLM publishes, :func:`raw_hash_message` otherwise); its
-    ``token_ids`` (when given) are exactly those blocks' tokens; it is a piece
-    of vLLM's hash chain (:func:`assert_chain`) whose parent some event of the
-    run announced;
-    ``block_size`` is B (or 0
-    for a placeholder without tokens); a ``BlockRemoved`` names only hashes
-    stored before; every block an external hit served (``served``: request id ->
-    matched tokens) was announced stored before and not removed since.
-
-    Args:
-        log: the rig's coverage log (its ``events``: ``(side, step, events)``).
-        requests: the driver's added requests.
-        block_size: B in tokens.
-        served: request id -> external matched tokens of requests that loaded.
+    Rules (``vllm/distributed/kv_events.py``): every event in ``log.events`` is
+    ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``; a ``BlockStored``
+    names hashes this run computed in vLLM's published form
+    (:func:`raw_hash_message`), with exactly their ``token_ids`` when given, chained
+    (:func:`assert_chain`) to an announced parent, ``block_size`` B (0 for a
+    placeholder); a ``BlockRemoved`` names only stored hashes; every block an
+    external hit served (``served``: request id -> matched tokens) is announced and
+    not removed. AssertionError on a broken rule.
 
     Returns:
         counts: ``stored`` (distinct hashes announced), ``removed``, ``events``.
-
-    Raises:
-        AssertionError: an event breaks a rule above.
 
     """
     from vllm.distributed.kv_events import (

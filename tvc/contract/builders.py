@@ -1,6 +1,7 @@
 """Builders of vLLM objects around a connector, with defaults and keyword overrides.
 
-Tiny model config, ``VllmConfig``, ``KVCacheConfig``, vLLM's V1 ``Scheduler`` and
+Tiny model config (:func:`write_tiny_model`), ``VllmConfig``
+(:func:`make_vllm_config`), ``KVCacheConfig``, vLLM's V1 ``Scheduler`` and
 ``Request`` objects, as vLLM's own connector unit tests build them.
 """
 
@@ -32,14 +33,9 @@ DEFAULT_MAX_MODEL_LEN = 4096  # tokens
 class ConnectorConfigRefused(AssertionError):
     """vLLM's own config classes refuse the profile's kv_transfer_config.
 
-    An ``AssertionError`` (a failure of the target, not of the suite), with one
-    line: the connector, vLLM's version, and vLLM's first complaint without
-    pydantic's dump of every argument.
-
-    Args:
-        kv_transfer_config: the dict given to ``KVTransferConfig``.
-        exc: what vLLM raised (usually ``pydantic.ValidationError``).
-
+    An ``AssertionError`` (the target's failure, not the suite's) of one line: the
+    connector, vLLM's version and the first complaint of ``exc`` (usually a
+    ``pydantic.ValidationError``) without pydantic's dump.
     """
 
     def __init__(self, kv_transfer_config: Mapping[str, Any], exc: Exception) -> None:
@@ -70,16 +66,8 @@ def write_tiny_model(directory: Path, *, num_kv_heads: int = 2, head_size: int =
                      ) -> Path:
     """Write a tiny Llama ``config.json`` that vLLM's ``ModelConfig`` accepts.
 
-    Args:
-        directory: where to write (created if missing); suite-owned scratch.
-        num_kv_heads: ``num_key_value_heads``.
-        head_size: ``head_dim`` in elements.
-        num_layers: ``num_hidden_layers``.
-        dtype: ``torch_dtype`` (``float16`` or ``bfloat16``).
-
-    Returns:
-        the model directory.
-
+    Into ``directory`` (suite-owned scratch, created if missing; returned);
+    ``head_size`` in elements, ``dtype`` ``float16`` or ``bfloat16``.
     """
     num_heads = max(num_kv_heads, 4)
     num_heads -= num_heads % num_kv_heads
@@ -113,50 +101,24 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
                      checkpoint_dtype: str | None = None, cache_dtype: str = "auto",
                      hash_algo: str = "sha256",
                      num_layers: int = TINY_NUM_LAYERS) -> Any:
-    """Build a ``VllmConfig`` for the profile's connector.
+    """Build a ``VllmConfig`` for the profile's connector (synchronous scheduling).
 
-    Args:
-        profile: the target profile (its ``kv_transfer_config()`` is used unless
-            ``kv_transfer_config`` is given).
-        scratch: suite-owned directory for the tiny model config.
-        block_size: KV block size B in tokens.
-        num_kv_heads: KV heads of the tiny model.
-        head_size: head size in elements.
-        dtype: model and KV cache dtype name (``float16`` / ``bfloat16``).
-        max_model_len: tokens.
-        max_num_batched_tokens: scheduler token budget per step.
-        max_num_seqs: requests per step at most.
-        kv_transfer_config: override of the profile's dict (configuration tests).
-            Either way, store paths inside the profile's scratch directory (or
-            a test-device folder) are moved to this session's store folder
-            (:func:`tvc.core.run_store.isolate_store_paths`).
-        device: ``cpu`` (scheduler side) or ``cuda`` (worker side on a GPU).
-        tensor_parallel_size: ``parallel_config.tensor_parallel_size``; the KV
-            heads per rank are then ``num_kv_heads // tensor_parallel_size``
-            (``ModelConfig.get_num_kv_heads``).
-        pipeline_parallel_size: ``parallel_config.pipeline_parallel_size``: the
-            layers are split over the stages (``get_pp_indices``), and each
-            worker registers its own stage's layers (:func:`layer_names`, by
-            ``parallel_config.rank``).
-        kv_events: enable vLLM's KV cache events (``KVEventsConfig`` with
-            ``enable_kv_cache_events=True`` and the ``null`` publisher), as
-            ``--kv-events-config`` does; connectors then emit ``take_events``.
-        model_name: the model folder's name stem (``ModelConfig.model`` is its
-            path): another name is another model, even of the same shape.
-        checkpoint_dtype: the ``torch_dtype`` written into the model's
-            ``config.json`` (default ``dtype``): the same checkpoint served with
-            another ``dtype`` (``--dtype``) keeps its ``ModelConfig.model``.
-        cache_dtype: ``CacheConfig.cache_dtype`` (``--kv-cache-dtype``): ``auto``
-            (the model's dtype) or an fp8 name; the KV cache spec and the
-            worker's KV tensors take it.
-        hash_algo: ``CacheConfig.prefix_caching_hash_algo``
-            (``--prefix-caching-hash-algo``); requests of the rig hash their
-            blocks with it, as ``EngineCore`` does (``vllm/v1/engine/core.py``).
-        num_layers: the tiny model's ``num_hidden_layers`` (its folder name
-            says so when it is not the default).
+    Sizes: ``block_size`` B, ``max_model_len`` and ``max_num_batched_tokens`` (per
+    step) in tokens, ``head_size`` in elements. ``kv_transfer_config`` overrides the
+    profile's; store paths in the profile's scratch (or a test device) move to this
+    session's store folder (:func:`tvc.core.run_store.isolate_store_paths`). Each TP
+    rank gets ``num_kv_heads // tensor_parallel_size`` KV heads
+    (``ModelConfig.get_num_kv_heads``); PP splits the layers (``get_pp_indices``,
+    :func:`layer_names`). ``kv_events`` sets ``KVEventsConfig(enable_kv_cache_events=
+    True, publisher="null")`` as ``--kv-events-config`` does. ``model_name`` is the
+    folder stem (``ModelConfig.model``): another name is another model.
+    ``checkpoint_dtype`` is ``config.json``'s ``torch_dtype`` (default ``dtype``);
+    ``cache_dtype`` is ``--kv-cache-dtype``; the rig's requests hash with
+    ``hash_algo`` (``--prefix-caching-hash-algo``) as ``EngineCore`` does
+    (``vllm/v1/engine/core.py``).
 
-    Returns:
-        ``vllm.config.VllmConfig`` (plain, synchronous scheduling).
+    Raises:
+        ConnectorConfigRefused: vLLM rejects the kv_transfer_config.
 
     """
     from vllm.config import (
@@ -212,15 +174,9 @@ def make_vllm_config(profile: Profile, *, scratch: Path, block_size: int = 16,
 def layer_names(vllm_config: Any) -> list[str]:
     """Attention layer names as vLLM names them for a Llama model.
 
-    With pipeline parallelism, the layers of the stage that
-    ``parallel_config.rank`` belongs to (``ModelConfig.
-    get_layers_start_end_indices``: ranks are laid out DP x PP x TP), as each
-    worker's model registers only its stage's attention layers.
-
-    Returns:
-        ``model.layers.<i>.self_attn.attn`` for each hidden layer ``i`` of the
-        stage (global layer indices).
-
+    ``model.layers.<i>.self_attn.attn`` (global ``i``); under PP only the stage of
+    ``parallel_config.rank`` (``ModelConfig.get_layers_start_end_indices``; ranks are
+    DP x PP x TP).
     """
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     start, end = mc.get_layers_start_end_indices(pc)
@@ -231,22 +187,9 @@ def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
                          ) -> Any:
     """A real ``KVCacheConfig``: one full-attention group over every layer.
 
-    Built by vLLM's own ``get_kv_cache_config_from_groups`` as the engine core
-    builds it, through :func:`tvc.contract.compat.build_kv_cache_config` (which
-    knows where that function lives and which fields the engine fills in each
-    vLLM version).
-
-    Args:
-        vllm_config: from :func:`make_vllm_config`.
-        num_blocks: KV blocks per layer (the pool's real capacity).
-
-    Returns:
-        ``vllm.v1.kv_cache_interface.KVCacheConfig`` with ``num_blocks`` blocks of
-        the layers' ``FullAttentionSpec`` pages.
-
-    Raises:
-        tvc.contract.compat.HarnessIncompatible: this vLLM cannot be driven.
-
+    Built by vLLM via :func:`tvc.contract.compat.build_kv_cache_config`, with
+    ``num_blocks`` KV blocks per layer (the pool's real capacity); HarnessIncompatible
+    when this vLLM cannot be driven.
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -260,15 +203,11 @@ def make_kv_cache_config(vllm_config: Any, num_blocks: int = DEFAULT_NUM_BLOCKS
 
 
 def kv_cache_dtype(vllm_config: Any) -> Any:
-    """The KV cache's element type, as the model runner resolves it.
+    """The KV cache's ``torch.dtype``, as the model runner resolves it.
 
-    vLLM's own ``kv_cache_dtype_str_to_dtype`` (``vllm/utils/torch_utils.py``,
-    0.26-0.33, used by ``GPUModelRunner.__init__``): ``auto`` is the model's
-    dtype; ``fp8`` is stored as ``torch.uint8``.
-
-    Returns:
-        a ``torch.dtype``.
-
+    vLLM's ``kv_cache_dtype_str_to_dtype`` (``vllm/utils/torch_utils.py``, 0.26-0.33,
+    ``GPUModelRunner.__init__``): ``auto`` is the model's dtype; ``fp8`` is
+    ``torch.uint8``.
     """
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
@@ -279,13 +218,7 @@ def kv_cache_dtype(vllm_config: Any) -> Any:
 def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
     """VLLM's real V1 ``Scheduler``; it creates the scheduler-side connector.
 
-    Args:
-        vllm_config: from :func:`make_vllm_config`.
-        kv_cache_config: from :func:`make_kv_cache_config` (built if None).
-
-    Returns:
-        ``vllm.v1.core.sched.scheduler.Scheduler`` with ``.connector`` set.
-
+    ``kv_cache_config`` is built by :func:`make_kv_cache_config` if None.
     """
     from vllm.config import set_current_vllm_config
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -300,19 +233,10 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any | None = None) -> Any:
 def give_encoder_budget(scheduler: Any, tokens: int) -> None:
     """Let the scheduler admit multimodal requests as for a multimodal model.
 
-    vLLM sizes the encoder compute budget and the encoder cache from the
-    model's multimodal registry (``Scheduler.__init__``: 0 for a text-only
-    model such as the tiny Llama), and ``_try_schedule_encoder_inputs`` stops a
-    prefill before a placeholder it cannot schedule. The harness has no
-    encoder (placeholder KV comes from the worker's pattern,
-    :func:`tvc.contract.worker.content_tokens`), so it gives the scheduler the
-    budget of a model whose items fit ``tokens``; requests without
-    ``mm_features`` never touch it.
-
-    Args:
-        scheduler: vLLM's ``Scheduler``.
-        tokens: encoder tokens per step and encoder cache slots (``max_model_len``).
-
+    vLLM gives a text-only model a 0 encoder budget (``Scheduler.__init__``), and
+    ``_try_schedule_encoder_inputs`` then stops a prefill at a placeholder; the
+    harness has no encoder (:func:`tvc.contract.worker.content_tokens`), so it sets
+    a budget of ``tokens`` (encoder tokens per step and cache slots).
     """
     mgr: Any = getattr(scheduler, "encoder_cache_manager", None)
     if mgr is None:
@@ -327,18 +251,14 @@ def give_encoder_budget(scheduler: Any, tokens: int) -> None:
 
 _REQ_COUNTER = itertools.count(1)
 _NONE_HASH_READY = False
-#: The seed of the first block's parent hash when PYTHONHASHSEED is unset: vLLM
-#: 0.33's ``kv_cache_utils.DEFAULT_NONE_HASH_SEED`` for sha256. vLLM 0.26/0.28
-#: draw random bytes instead, so a connector keyed by block hashes named its
-#: entries differently in every process and a seeded run did not repeat.
+#: The first block's parent hash seed when PYTHONHASHSEED is unset: vLLM 0.33's
+#: ``kv_cache_utils.DEFAULT_NONE_HASH_SEED`` (0.26/0.28 draw random bytes, so
+#: block-hash keys would differ per process and a seeded run would not repeat).
 NONE_HASH_SEED = "vllm-none-hash"
 
 
 def _init_none_hash(sha256: Any) -> None:
-    """Run ``init_none_hash(sha256)`` with vLLM 0.33's reproducible default seed.
-
-    PYTHONHASHSEED, when set, wins as in every vLLM release.
-    """
+    """``init_none_hash(sha256)`` with vLLM 0.33's seed unless PYTHONHASHSEED is set."""
     from vllm.v1.core import kv_cache_utils as kcu
 
     kcu.init_none_hash(sha256)
@@ -347,15 +267,9 @@ def _init_none_hash(sha256: Any) -> None:
 
 
 def prompt_tokens(num_tokens: int, seed: int) -> list[int]:
-    """Deterministic pseudo-random token ids (no two seeds share a first token).
+    """Deterministic pseudo-random token ids in ``[10, TINY_VOCAB_SIZE)``.
 
-    Args:
-        num_tokens: length.
-        seed: distinguishes prompts; equal seeds give equal prompts.
-
-    Returns:
-        token ids in ``[10, TINY_VOCAB_SIZE)``.
-
+    Equal seeds (in one run seed) give equal prompts; no two seeds share a first token.
     """
     import random
 
@@ -374,36 +288,18 @@ def make_request(*, num_tokens: int, block_size: int, seed: int | None = None,
                  media: Sequence[tuple[int, int, str]] = ()) -> Any:
     """A vLLM ``Request`` with vLLM's own block hasher.
 
-    Args:
-        num_tokens: prompt length in tokens (including ``shared_prefix``).
-        block_size: B, for the block hasher (must equal the cache's block size).
-        seed: prompt seed; a new one per call when None (unrelated prompts).
-        shared_prefix: token ids the prompt starts with (prefix-sharing tests).
-        max_tokens: output tokens before the request finishes by length.
-        request_id: default ``req-<n>``.
-        cache_salt: vLLM's per-tenant ``cache_salt`` (mixed into the first
-            block's hash).
-        lora_request: a ``LoRARequest`` (its name is mixed into every block hash).
-        sampling: extra ``SamplingParams`` fields (e.g. ``prompt_logprobs``,
-            ``skip_reading_prefix_cache``).
-        prompt_embeds: ``(tokens) -> tensor [num_tokens, hidden]``: an
-            embeddings-only request (``prompt_token_ids`` None, as vLLM makes
-            one from ``prompt_embeds``; its block hashes cover the embeddings,
-            ``kv_cache_utils._gen_prompt_embeds_extra_hash_keys``) whose
-            embeddings the callable derives from the prompt's token ids.
-        hash_algo: the block hash function by vLLM's name
-            (``CacheConfig.prefix_caching_hash_algo``: ``sha256``,
-            ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``), as ``EngineCore``
-            builds the request block hasher.
-        media: multimodal items as ``(offset, length, identifier)``: the
-            prompt's tokens ``[offset, offset + length)`` are the item's
-            placeholder, ``identifier`` its content hash (``mm_hash``); they
-            become the request's ``mm_features`` (modality ``image``, no
-            data), which vLLM mixes into the hash of every block they overlap
-            (``kv_cache_utils.generate_block_hash_extra_keys``).
-
-    Returns:
-        ``vllm.v1.request.Request``.
+    ``num_tokens`` includes ``shared_prefix``; ``block_size`` must equal the cache's;
+    ``seed`` None is a new prompt; ``request_id`` defaults to ``req-<n>``.
+    ``cache_salt`` goes into the first block's hash, the ``lora_request`` name into
+    every one. ``sampling`` adds ``SamplingParams`` fields. ``prompt_embeds``:
+    ``(tokens) -> tensor [num_tokens, hidden]`` makes an embeddings-only request
+    (hashes cover the embeddings,
+    ``kv_cache_utils._gen_prompt_embeds_extra_hash_keys``).
+    ``hash_algo``: ``sha256``, ``sha256_cbor``, ``xxhash`` or ``xxhash_cbor``.
+    ``media``: ``(offset, length, identifier)`` placeholder items, made
+    ``mm_features`` (modality ``image``, ``mm_hash`` = identifier) and mixed into
+    the hash of every block they overlap
+    (``kv_cache_utils.generate_block_hash_extra_keys``).
 
     Raises:
         ValueError: vLLM knows no such hash function.

@@ -1,41 +1,12 @@
 """The one place where the contract harness meets differences between vLLM versions.
 
-The harness drives vLLM's own objects (``KVCacheConfig``, ``Scheduler``, the
-attention backend's KV layout, ``ModelRunnerOutput``, the forward context). Their
-APIs move between releases; every such difference the harness knows is handled
-here, by feature detection (``hasattr``, ``dataclasses.fields``,
-``inspect.signature``), never by comparing version strings. Each shim names the
-vLLM versions and files it serves.
-
-Versions checked: vLLM 0.26.0 (sources read), 0.28.0 and 0.33.0 (contract tier
-run on CPU). ``SUPPORTED_VLLM`` is the range the suite claims.
-
-Where the installed vLLM lacks an API the harness needs, the shims raise
-:class:`HarnessIncompatible`: the contract fixtures call :func:`check_harness`
-while setting a test up, so pytest reports an ERROR naming the vLLM version and
-the API, never a connector failure (:mod:`tvc.plugin.compat_report` does the same for
-one raised while a test runs).
-
-Differences handled (0.26/0.28 -> 0.33):
-
-* ``KVCacheTensor(size, shared_by, offset=0, block_stride=0)`` ->
-  ``KVCacheTensor(size, layers, layer_stride, block_stride, offset=0,
-  host_resident=False)`` (``vllm/v1/kv_cache_interface.py``): the harness builds
-  the config with vLLM's own ``get_kv_cache_config_from_groups``
-  (:func:`kv_cache_config_builder`) and reads layer names through
-  :func:`kv_cache_tensor_layers`.
-* ``get_kv_cache_config_from_groups`` moved from ``vllm/v1/core/kv_cache_utils.py``
-  to ``vllm/v1/core/kv_cache_planning.py``.
-* The engine core resolves one physical KV cache layout before planning
-  (``resolve_kv_cache_layout`` in ``vllm/v1/attention/backends/utils.py``, 0.33;
-  absent in 0.26/0.28, where ``get_kv_cache_layout()`` decides per call) and fills
-  ``KVCacheConfig.kv_cache_layout`` / ``hash_block_size`` /
-  ``cache_hit_alignment_tokens`` (``EngineCore._initialize_kv_caches``,
-  ``vllm/v1/engine/core.py``); the workers copy the last two into ``CacheConfig``
-  (``Worker.initialize_from_config``, ``vllm/v1/worker/gpu_worker.py``).
-* KV allocation: ``FlashAttentionBackend.get_kv_cache_shape`` /
-  ``get_kv_cache_stride_order`` (0.26/0.28, ``vllm/v1/attention/backends/
-  flash_attn.py``) -> ``vllm/v1/worker/utils.py: allocate_kv_cache`` (0.33).
+vLLM's ``KVCacheConfig``, ``Scheduler``, KV layout, ``ModelRunnerOutput`` and
+forward context move between releases; each shim here detects features
+(``hasattr``, ``dataclasses.fields``, ``inspect.signature``), never version strings,
+and names the vLLM versions and files it serves. Checked on 0.26.0, 0.28.0, 0.33.0
+(``SUPPORTED_VLLM``). A missing API raises :class:`HarnessIncompatible`;
+:func:`check_harness` probes them all at fixture set-up. The differences handled
+are listed in docs/vllm-versions.md.
 """
 
 from __future__ import annotations
@@ -66,12 +37,7 @@ _PLANNING_MODULES = ("vllm.v1.core.kv_cache_planning",  # 0.33
 
 # ------------------------------------------------------------------ the exception
 def vllm_version() -> str:
-    """The installed vLLM's version (package metadata, else ``vllm.__version__``).
-
-    Returns:
-        e.g. ``"0.28.0"``; ``"unknown"`` when neither is available.
-
-    """
+    """The installed vLLM's version (metadata, ``vllm.__version__``, else "unknown")."""
     try:
         return md.version("vllm")
     except md.PackageNotFoundError:
@@ -87,18 +53,9 @@ def vllm_version() -> str:
 class HarnessIncompatible(Exception):
     """The installed vLLM lacks an API the contract harness needs.
 
-    Not a connector failure: the suite cannot drive this vLLM. pytest reports it
-    as an ERROR (see :mod:`tvc.plugin.compat_report`).
-
-    Args:
-        api: the vLLM API, e.g. ``"KVCacheTensor"`` or
-            ``"vllm.v1.worker.utils.allocate_kv_cache"``.
-        change: what changed, e.g. ``"no layer-name field: has size, members"``.
-        version: the vLLM version; default :func:`vllm_version`.
-
-    Attributes:
-        api, change, version: as given.
-
+    Not a connector failure: pytest reports it as an ERROR
+    (:mod:`tvc.plugin.compat_report`). ``api`` is e.g. ``"KVCacheTensor"``;
+    ``change`` says what changed; ``version`` defaults to :func:`vllm_version`.
     """
 
     def __init__(self, api: str, change: str, version: str | None = None) -> None:
@@ -113,10 +70,7 @@ class HarnessIncompatible(Exception):
 
 
 def _import(module: str, api: str) -> Any:
-    """Import a vLLM module; one that does not exist is :class:`HarnessIncompatible`.
-
-    Other import errors (a broken install, a missing dependency) propagate.
-    """
+    """Import a vLLM module; a missing ``vllm.*`` module is HarnessIncompatible."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -152,13 +106,8 @@ def _require_fields(obj: Any, api: str, needed: Sequence[str]) -> set[str]:
 def kv_cache_config_builder() -> Callable[[Any, list[Any], int], Any]:
     """VLLM's ``get_kv_cache_config_from_groups(vllm_config, groups, memory)``.
 
-    The function the engine core uses to lay out the KV cache tensors:
-    ``vllm/v1/core/kv_cache_utils.py`` (0.26, 0.28),
-    ``vllm/v1/core/kv_cache_planning.py`` (0.33).
-
-    Raises:
-        HarnessIncompatible: in neither module.
-
+    From ``vllm/v1/core/kv_cache_utils.py`` (0.26, 0.28) or
+    ``vllm/v1/core/kv_cache_planning.py`` (0.33); HarnessIncompatible in neither.
     """
     for name in _PLANNING_MODULES:
         try:
@@ -177,12 +126,8 @@ def kv_cache_config_builder() -> Callable[[Any, list[Any], int], Any]:
 def kv_cache_tensor_layer_field() -> str:
     """The ``KVCacheTensor`` field naming the layers it backs.
 
-    Returns:
-        ``"shared_by"`` (vLLM 0.26, 0.28) or ``"layers"`` (0.33).
-
-    Raises:
-        HarnessIncompatible: ``KVCacheTensor`` has neither.
-
+    ``"shared_by"`` (vLLM 0.26, 0.28) or ``"layers"`` (0.33); HarnessIncompatible
+    with neither.
     """
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
@@ -197,12 +142,7 @@ def kv_cache_tensor_layer_field() -> str:
 
 
 def kv_cache_tensor_layers(tensor: Any) -> list[str]:
-    """Layer names a ``KVCacheTensor`` backs (see :func:`kv_cache_tensor_layer_field`).
-
-    Raises:
-        HarnessIncompatible: the tensor has no known layer-name field.
-
-    """
+    """Layer names a ``KVCacheTensor`` backs (:func:`kv_cache_tensor_layer_field`)."""
     return list(getattr(tensor, kv_cache_tensor_layer_field()))
 
 
@@ -210,21 +150,11 @@ def resolve_kv_cache_layout(vllm_config: Any, specs: Sequence[Any],
                             backend: type | None = None) -> Any:
     """Resolve the physical KV cache layout as the engine core does, where it does.
 
-    vLLM 0.33 resolves one ``KVCacheLayout`` in ``EngineCore._initialize_kv_caches``
-    (``vllm/v1/attention/backends/utils.py: resolve_kv_cache_layout``, from the
-    layouts the workers' backends support) and records it on
-    ``cache_config.kv_cache_layout``; planning and allocation read it there. A
-    layout already on the config is kept (that function returns it).
-
-    Args:
-        vllm_config: the config (``cache_config`` is updated in place).
-        specs: the layers' ``KVCacheSpec`` objects.
-        backend: attention backend; default :func:`attention_backend`.
-
-    Returns:
-        the ``KVCacheLayout``, or None where vLLM has no such step (0.26, 0.28:
-        ``get_kv_cache_layout()`` decides when the backend is asked).
-
+    vLLM 0.33: ``EngineCore._initialize_kv_caches`` calls
+    ``vllm/v1/attention/backends/utils.py: resolve_kv_cache_layout`` and records the
+    ``KVCacheLayout`` on ``cache_config.kv_cache_layout`` (in place; one already
+    there is kept). Returns None on 0.26/0.28, where ``get_kv_cache_layout()``
+    decides when the backend is asked.
     """
     from vllm.v1.attention.backends import utils as attn_utils
 
@@ -240,13 +170,12 @@ def resolve_kv_cache_layout(vllm_config: Any, specs: Sequence[Any],
 def resolve_engine_kv_cache_fields(vllm_config: Any, kv_cache_config: Any) -> None:
     """Fill the ``KVCacheConfig`` fields the engine core resolves, where they exist.
 
-    vLLM 0.33 (``EngineCore._initialize_kv_caches``): ``kv_cache_layout`` from
-    ``cache_config``; ``hash_block_size`` from ``resolve_kv_cache_block_sizes`` and
-    ``cache_hit_alignment_tokens`` from ``resolve_cache_hit_alignment_tokens``
-    (``vllm/v1/core/kv_cache_utils.py``; ``OffloadingConnector`` reads the
-    latter). The workers copy both into ``CacheConfig``
-    (``Worker.initialize_from_config``). 0.26 and 0.28 have none of these fields:
-    nothing is done.
+    vLLM 0.33 (``EngineCore._initialize_kv_caches``): ``kv_cache_layout``,
+    ``hash_block_size`` (``resolve_kv_cache_block_sizes``) and
+    ``cache_hit_alignment_tokens`` (``resolve_cache_hit_alignment_tokens``,
+    ``vllm/v1/core/kv_cache_utils.py``; read by ``OffloadingConnector``); the last two
+    are copied into ``CacheConfig`` as ``Worker.initialize_from_config`` does. No-op
+    on 0.26/0.28.
     """
     from vllm.v1.core import kv_cache_utils as kcu
 
@@ -274,21 +203,9 @@ def build_kv_cache_config(vllm_config: Any, spec: Any, layer_names: Sequence[str
                           num_blocks: int) -> Any:
     """A ``KVCacheConfig`` of one group, built by vLLM as the engine core builds it.
 
-    Steps: resolve the KV cache layout (:func:`resolve_kv_cache_layout`), call
-    vLLM's :func:`kv_cache_config_builder` with exactly the memory of
-    ``num_blocks`` pages per layer, fill the engine-resolved fields
-    (:func:`resolve_engine_kv_cache_fields`) and set
-    ``cache_config.num_gpu_blocks``.
-
-    Args:
-        vllm_config: the config.
-        spec: the layers' ``KVCacheSpec`` (e.g. ``FullAttentionSpec``).
-        layer_names: attention layer names (one group).
-        num_blocks: KV blocks per layer.
-
-    Returns:
-        ``vllm.v1.kv_cache_interface.KVCacheConfig`` with ``num_blocks`` blocks whose
-        tensors back every layer exactly once.
+    Gives vLLM's builder exactly ``num_blocks`` pages per layer, then fills the
+    engine-resolved fields and ``cache_config.num_gpu_blocks``; every layer is
+    backed by exactly one tensor.
 
     Raises:
         HarnessIncompatible: vLLM lacks the builder, ``KVCacheTensor`` has no known
@@ -327,13 +244,9 @@ def build_kv_cache_config(vllm_config: Any, spec: Any, layer_names: Sequence[str
 def scheduler_kwargs(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.v1.core.sched.scheduler.Scheduler``.
 
-    As ``EngineCore.__init__`` (``vllm/v1/engine/core.py``, 0.26-0.33) passes
-    them: ``block_size`` and ``hash_block_size`` from
-    ``resolve_kv_cache_block_sizes`` where vLLM has it, ``log_stats=True``.
-
-    Raises:
-        HarnessIncompatible: ``Scheduler`` lacks a parameter the harness passes.
-
+    As ``EngineCore.__init__`` (``vllm/v1/engine/core.py``, 0.26-0.33) passes them:
+    ``block_size``/``hash_block_size`` from ``resolve_kv_cache_block_sizes`` where it
+    exists, ``log_stats=True``. HarnessIncompatible if a parameter is missing.
     """
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -360,13 +273,9 @@ def scheduler_kwargs(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
 def attention_backend() -> type[Any]:
     """The attention backend whose KV layout the worker harness uses.
 
-    FlashAttention is what vLLM picks for a Llama model on an NVIDIA GPU
-    (``vllm/v1/attention/backends/flash_attn.py``, 0.26-0.33); its layout
-    functions are pure, so the same layout is used on CPU.
-
-    Raises:
-        HarnessIncompatible: the module or class is gone.
-
+    FlashAttention, vLLM's pick for Llama on an NVIDIA GPU
+    (``vllm/v1/attention/backends/flash_attn.py``, 0.26-0.33); its layout functions
+    are pure, so the same layout is used on CPU. HarnessIncompatible if it is gone.
     """
     mod = _import("vllm.v1.attention.backends.flash_attn",
                   "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend")
@@ -379,17 +288,11 @@ def attention_backend() -> type[Any]:
 
 
 def kv_allocation_api() -> str:
-    """Which KV allocation path this vLLM offers.
+    """Which KV allocation path this vLLM offers (HarnessIncompatible: neither).
 
-    Returns:
-        ``"backend_shape"``: ``FlashAttentionBackend.get_kv_cache_shape`` and
-        ``get_kv_cache_stride_order`` (0.26, 0.28); ``"worker_utils"``:
-        ``vllm/v1/worker/utils.py: allocate_kv_cache`` with the resolved layout
-        (0.33).
-
-    Raises:
-        HarnessIncompatible: neither exists.
-
+    ``"backend_shape"``: ``FlashAttentionBackend.get_kv_cache_shape`` and
+    ``get_kv_cache_stride_order`` (0.26, 0.28); ``"worker_utils"``:
+    ``vllm/v1/worker/utils.py: allocate_kv_cache`` with the resolved layout (0.33).
     """
     backend = attention_backend()
     if hasattr(backend, "get_kv_cache_shape"):
@@ -412,25 +315,19 @@ def allocate_kv_caches(vllm_config: Any, kv_cache_config: Any, device: str
                        ) -> dict[str, Any]:
     """Allocate zeroed KV caches per layer exactly as this vLLM's model runner does.
 
-    0.26, 0.28: one buffer per layer in the backend's physical (stride-ordered)
-    shape, viewed back in the logical shape ``get_kv_cache_shape(N, B, H, D)`` by
-    the inverse permutation (``GPUModelRunner._reshape_kv_cache_tensors``).
-    0.33: one backing buffer viewed per layer in the layout the engine core
-    resolved (``GPUModelRunner.initialize_kv_cache_tensors`` ->
+    0.26/0.28: a stride-ordered buffer per layer, permuted back to
+    ``get_kv_cache_shape`` (``GPUModelRunner._reshape_kv_cache_tensors``). 0.33: one
+    buffer viewed per layer in the resolved layout
+    (``GPUModelRunner.initialize_kv_cache_tensors`` ->
     ``vllm/v1/worker/utils.py: allocate_kv_cache``).
-
-    Args:
-        vllm_config: the config (model dtype, block size, resolved layout).
-        kv_cache_config: from :func:`build_kv_cache_config`.
-        device: ``cpu`` or ``cuda``.
 
     Returns:
         layer name -> tensor of logical shape ``(num_blocks, H, B, 2*D)`` (K and V
         packed, FlashAttention 0.26-0.33), dtype = the spec's dtype.
 
     Raises:
-        HarnessIncompatible: no known allocation path, or it returns a layout the
-            harness cannot address (see :func:`tvc.contract.worker.token_view`).
+        HarnessIncompatible: no known allocation path, or a layout the harness
+            cannot address (:func:`tvc.contract.worker.token_view`).
 
     """
     import torch
@@ -498,14 +395,12 @@ def _allocate_by_backend_shape(vllm_config: Any, kv_cache_config: Any, device: s
 class HarnessAttentionLayer:
     """What the harness puts in ``static_forward_context`` for one attention layer.
 
-    vLLM's model registers each ``Attention`` module there by its layer name and
-    the GPU model runner binds its KV tensor to it
-    (``vllm/v1/worker/utils.py bind_kv_cache``: ``forward_context[layer_name]
-    .kv_cache = kv_cache`` in 0.26.0 L536-L538; ``layer.bind_kv_cache(kv_cache)``,
-    which stores it as ``self.kv_cache``, in 0.28.0 L549-L550 and
-    ``attention_layer_base.py``). A connector that finds layers through the
-    forward context (LMCache's ``_init_kv_caches_from_forward_context``,
-    ExampleConnector's ``start_load_kv``) reads ``layer_name`` and ``kv_cache``.
+    The model runner binds each layer's KV tensor there (``vllm/v1/worker/utils.py
+    bind_kv_cache``: ``forward_context[layer_name].kv_cache = kv_cache`` in 0.26.0
+    L536-L538; ``layer.bind_kv_cache(kv_cache)`` in 0.28.0 L549-L550 and
+    ``attention_layer_base.py``). Connectors that use the forward context (LMCache's
+    ``_init_kv_caches_from_forward_context``, ExampleConnector's ``start_load_kv``)
+    read ``layer_name`` and ``kv_cache``.
     """
 
     def __init__(self, layer_name: str, kv_cache: Any) -> None:
@@ -524,32 +419,24 @@ def engine_forward_context(vllm_config: Any, kv_caches: Mapping[str, Any],
                            with_metadata: bool = True) -> Iterator[Any]:
     """The forward context of vLLM around a harness step, as the model runner sets it.
 
-    The GPU model runner calls the connector's per-step methods inside
-    ``vllm.forward_context.set_forward_context(attn_metadata, vllm_config,
-    num_tokens=..., slot_mapping=...)``: the V1 runner the whole connector
-    lifecycle (``gpu_model_runner.py`` 0.28.0 L4548-L4563 with
-    ``kv_connector_model_runner_mixin.py`` L78-L112: bind, ``start_load_kv(
-    get_forward_context())``, the forward, ``wait_for_save``, ``get_finished``
-    ... ``clear_connector_metadata``), the V2 runner ``pre_forward`` only
-    (``gpu/model_runner.py`` 0.28.0 L1644-L1655, ``gpu/kv_connector.py``
-    L61-L75; ``post_forward`` runs after the block, L1739). The context's
-    ``no_compile_layers`` is ``compilation_config.static_forward_context``
-    (``forward_context.py`` ``create_forward_context``, L230): the attention
-    layers by name, each bound to its KV tensor. Same code in 0.26.0.
+    Sources (0.28.0; same in 0.26.0): V1 ``gpu_model_runner.py`` L4548-L4563 with
+    ``kv_connector_model_runner_mixin.py`` L78-L112; V2 ``gpu/model_runner.py``
+    L1644-L1655, ``gpu/kv_connector.py`` L61-L75 (``post_forward`` after the block,
+    L1739); ``no_compile_layers`` is ``static_forward_context``
+    (``forward_context.py`` ``create_forward_context``, L230). Layers without an
+    entry there get a :class:`HarnessAttentionLayer`.
 
     Args:
-        vllm_config: the rig's config (its ``static_forward_context`` is filled
-            with a :class:`HarnessAttentionLayer` per layer that has none).
-        kv_caches: layer name -> the KV tensor registered with the connector
-            (per-layer views of a cross-layer tensor too).
+        vllm_config: the rig's config.
+        kv_caches: layer name -> the KV tensor registered with the connector.
         slot_mapping: layer name -> long tensor ``(num_tokens,)`` of this step's
-            slots (``block_id * B + offset``), as the runner hands it.
+            slots (``block_id * B + offset``).
         num_tokens: tokens scheduled in this step.
         with_metadata: False for a step without a forward (the runner's
             ``kv_connector_no_forward`` passes ``attn_metadata=None``).
 
     Yields:
-        ``get_forward_context()``: vLLM's ``ForwardContext``.
+        vLLM's ``ForwardContext``.
 
     Raises:
         HarnessIncompatible: this vLLM has no ``set_forward_context``.
@@ -583,15 +470,9 @@ def model_runner_output(req_ids: Sequence[str], sampled_token_ids: list[list[int
                         kv_connector_output: Any) -> Any:
     """A ``ModelRunnerOutput`` as the model runner returns it (no logprobs/pooling).
 
-    ``vllm/v1/outputs.py`` (0.26-0.33): ``req_ids``, ``req_id_to_index``,
-    ``sampled_token_ids``, ``kv_connector_output`` are required by the harness;
-    ``logprobs`` / ``prompt_logprobs_dict`` / ``pooler_output`` are passed empty
-    where they exist (``pooler_output`` as one ``None`` per request where its
-    annotation is a non-optional list).
-
-    Raises:
-        HarnessIncompatible: a required field is missing.
-
+    ``vllm/v1/outputs.py`` (0.26-0.33); optional fields are passed empty where they
+    exist (``pooler_output`` as one ``None`` per request where it is a list).
+    HarnessIncompatible if a required field is missing.
     """
     from vllm.v1.outputs import ModelRunnerOutput
 
@@ -625,12 +506,8 @@ def _pooler_is_list() -> bool:
 def check_harness() -> None:
     """Check, without building anything, that this vLLM has every API the harness uses.
 
-    Called by the contract fixtures at set-up (cached per process), so that an
-    unsupported vLLM is one ERROR per test naming the version and the API.
-
-    Raises:
-        HarnessIncompatible: the first missing API.
-
+    Called by the contract fixtures at set-up (cached per process); raises
+    HarnessIncompatible for the first missing API.
     """
     err = _probe()
     if err is not None:

@@ -1,20 +1,12 @@
 """vLLM's distributed environment for a harness process (tensor parallelism).
 
-A worker-side contract harness at tensor-parallel size N runs N processes, one per
-rank. Each must initialise vLLM's distributed state the way vLLM's GPU worker does
-(``vllm/v1/worker/gpu_worker.py`` ``init_worker_distributed_environment``):
-``init_distributed_environment`` (the world group) and then
-``ensure_model_parallel_initialized`` (the TP, PP, DCP, PCP, DP groups), both from
-``vllm.distributed.parallel_state``, under ``set_current_vllm_config`` because
-``initialize_model_parallel`` reads the parallel layout from the current config.
-Connectors then see ``get_tensor_model_parallel_rank()`` / ``get_tp_group()`` as
-they do in a served engine.
-
-:func:`vllm_distributed` does exactly that and tears it down again
-(``destroy_model_parallel`` and ``destroy_distributed_environment``). The
-``torch.distributed`` environment variables (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) are set only inside the context and
-restored afterwards.
+:func:`vllm_distributed` initialises one rank as vLLM's GPU worker does
+(``vllm/v1/worker/gpu_worker.py`` ``init_worker_distributed_environment``:
+``init_distributed_environment`` then ``ensure_model_parallel_initialized``, from
+``vllm.distributed.parallel_state``, under ``set_current_vllm_config``), so
+connectors see ``get_tp_group()`` as in a served engine, and tears it down again.
+The ``torch.distributed`` variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``) are set only inside the context.
 """
 
 from __future__ import annotations
@@ -41,15 +33,8 @@ class DistributedSetupError(RuntimeError):
 def free_init_method(host: str = "127.0.0.1") -> str:
     """A ``tcp://host:port`` rendezvous address on a port free right now.
 
-    The parent process picks it once and passes it to every rank, so that all
-    ranks of one world meet at the same address.
-
-    Args:
-        host: loopback by default (all ranks run on this machine).
-
-    Returns:
-        ``"tcp://<host>:<port>"``.
-
+    The parent picks it once and passes it to every rank of one world. Another
+    process may take the port before rank 0 binds it (the caller retries).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -72,30 +57,25 @@ def vllm_distributed(world_size: int = 1, rank: int = 0, backend: str = "gloo",
                      pipeline_parallel_size: int = 1) -> Iterator[Any]:
     """Initialise vLLM's distributed environment and model-parallel groups.
 
-    Tensor-parallel size = ``world_size // pipeline_parallel_size``; context and
-    data parallel sizes are 1. Call it once per process, in every rank's
-    process, with the same ``world_size`` and ``init_method``.
+    TP size = ``world_size // pipeline_parallel_size``; context and data parallel
+    sizes are 1. Call once per process, in every rank, with the same ``world_size``
+    and ``init_method``.
 
     Args:
-        world_size: number of ranks (TP size x PP size). 1 works in-process.
-        rank: this process's rank in ``[0, world_size)``; also its local rank
-            (one machine) and, with ``nccl``, its CUDA device index.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors). vLLM always
-            adds a gloo CPU group next to the device group.
-        init_method: ``tcp://host:port`` or ``file:///path`` rendezvous shared by
-            all ranks. ``None``: a free loopback port (world size 1 only; larger
-            worlds need one address chosen by the parent, see
-            :func:`free_init_method`).
-        vllm_config: the ``VllmConfig`` made current while the groups are built
-            (its ``parallel_config.tensor_parallel_size`` should equal
-            ``world_size``); default: the current config if one is set, else a
-            bare CPU/CUDA ``VllmConfig``. It stays current inside the context.
-        pipeline_parallel_size: PP stages; ranks are laid out PP x TP (rank r is
-            TP rank ``r % tp`` of stage ``r // tp``, as vLLM lays them out).
+        world_size: ranks (TP size x PP size). 1 works in-process.
+        rank: in ``[0, world_size)``; also the local rank and, with ``nccl``,
+            the CUDA device index.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA); vLLM always adds a gloo CPU
+            group.
+        init_method: ``tcp://host:port`` or ``file:///path`` shared by all ranks;
+            None: a free loopback port (world size 1 only).
+        vllm_config: made current while the groups are built and inside the
+            context; default the current config, else a bare ``VllmConfig``.
+        pipeline_parallel_size: PP stages; rank r is TP rank ``r % tp`` of stage
+            ``r // tp``, as vLLM lays them out.
 
     Yields:
-        vLLM's TP ``GroupCoordinator`` (``get_tp_group()``): ``rank_in_group``,
-        ``world_size``, ``all_reduce``, ``cpu_group``, ``device_group``.
+        vLLM's TP ``GroupCoordinator`` (``get_tp_group()``).
 
     Raises:
         DistributedSetupError: ``world_size`` < 1, ``rank`` out of range, no

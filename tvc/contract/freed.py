@@ -1,39 +1,18 @@
 """Blocks vLLM freed, marked in the worker's KV so that a later use is named.
 
-vLLM frees a request's KV blocks at once when ``request_finished`` returns
-``delay_free_blocks=False`` (``Scheduler._free_request`` ->
-``_free_request_blocks`` -> ``KVCacheManager.free``,
-``vllm/v1/core/sched/scheduler.py`` 0.28 L2388-2438) and when it preempts a
-request (``Scheduler._preempt_request``); from then on the next step may hand
-the blocks to another request, whose forward overwrites them. A connector that
-still reads them (a save queued for later) stores whatever is there by then; one
-that writes into them (a load into a stale block table) corrupts another
-request. vLLM's way out is the delayed free: ``request_finished`` returns True
-until the save is done and the worker names the request in
-``finished_sending`` (``KVConnectorBase_V1.request_finished``, base.py); for a
-preemption, ``handle_preemptions`` runs before the forward overwrites anything
-(base.py: "Handle preempted requests or evicted blocks BEFORE they are
-overwritten").
-
-A freed block keeps what it held until vLLM hands it to another request and
-that request's forward writes it; the base class blesses connectors that read
-freed blocks until then and finish in ``handle_preemptions`` ("evicted blocks
-BEFORE they are overwritten"; vLLM's OffloadingConnector flushes the saves
-that read a reused block there, ``jobs_to_flush``). :class:`FreedBlocks`
-therefore leaves freed blocks alone and writes :data:`UNWRITTEN` into a block
-vLLM hands out fresh (``BlockPool.get_new_blocks``), right after the worker's
-``handle_preemptions``, until the forward or a load writes it. So:
-
-* a block that changes while free was written after vLLM freed it
-  (:meth:`FreedBlocks.check` compares it with its content when freed);
-* a load that brings back the mark was saved from tokens vLLM had not computed
-  (:func:`mark_meaning`); one that brings back another request's KV was saved
-  from a block after vLLM handed it to that request
-  (:meth:`tvc.contract.worker.ConnectorWorker.first_mismatch`).
-
-The mark is never a pattern value (integers, :func:`tvc.contract.worker.
-pattern_values`) nor the harness's load poison (0.5), and is exact in float16,
-bfloat16 and fp8 (e4m3).
+vLLM frees a request's blocks at once when ``request_finished`` returns False
+(``Scheduler._free_request`` -> ``_free_request_blocks`` -> ``KVCacheManager.free``,
+``vllm/v1/core/sched/scheduler.py`` 0.28 L2388-2438) or on preemption
+(``Scheduler._preempt_request``); the next step may reuse them. The way out is
+the delayed free (``KVConnectorBase_V1.request_finished``, base.py) or finishing
+in ``handle_preemptions`` (base.py: "Handle preempted requests or evicted blocks
+BEFORE they are overwritten"; OffloadingConnector's ``jobs_to_flush``).
+:class:`FreedBlocks` keeps freed blocks as they are (a change while free is a
+write after free) and writes :data:`UNWRITTEN` into blocks handed out fresh
+(``BlockPool.get_new_blocks``) after ``handle_preemptions``; a load that brings
+the mark back was saved from uncomputed tokens (:func:`mark_meaning`). The mark is
+no pattern value nor the load poison (0.5), and exact in float16, bfloat16 and
+fp8 (e4m3).
 """
 
 from __future__ import annotations
@@ -81,13 +60,7 @@ ENDED_FIX = (
 
 
 def mark_meaning(value: float) -> str:
-    """What a mark found in loaded KV says about the store entry it came from.
-
-    Returns:
-        a clause starting with "; " naming the mechanism, or "" for a value
-        that is no mark.
-
-    """
+    """What a mark in loaded KV says about its store entry ("; ..." clause, or "")."""
     if value == UNWRITTEN:
         return ("; it holds the harness's mark of a block vLLM had allocated but "
                 "nothing had computed yet: the entry was saved from tokens before "
@@ -126,12 +99,7 @@ INVARIANTS = {
 
 
 def blame(text: str) -> tuple[str, str] | None:
-    """The invariant and method a load error's mark names (None: no mark).
-
-    Args:
-        text: a load error of :class:`tvc.contract.worker.ConnectorWorker`.
-
-    """
+    """The invariant and method a worker load error's mark names (None: no mark)."""
     if USED_AFTER_FREE in text:
         name = "no use of blocks vLLM freed"
     elif "before vLLM computed them" in text:
@@ -166,8 +134,8 @@ def _rows(kv: Any, ids: Any) -> Any:
 def fill_blocks(kv: Any, ids: Any, value: float) -> None:
     """Fill the given blocks of a layer tensor with ``value`` (in place).
 
-    Through an integer view of the same bytes where the layout allows it: a
-    float16 fill through advanced indexing is slow on a busy CPU.
+    Through an integer view of the bytes where possible: a float16 fill through
+    advanced indexing is slow on a busy CPU.
     """
     import torch
 
@@ -185,12 +153,9 @@ def fill_blocks(kv: Any, ids: Any, value: float) -> None:
 class FreedBlocks:
     """The blocks vLLM freed, and the mark in blocks it hands out fresh.
 
-    A freed block keeps its content, as in vLLM, until vLLM hands it out again
-    fresh; then, once the connector's ``handle_preemptions`` returned (where
-    vLLM's OffloadingConnector waits for saves still reading a reused block,
-    ``jobs_to_flush``, offloading/worker.py 0.26-0.33), it gets
-    :data:`UNWRITTEN`. A write into a block while it is free is found by
-    comparing it with its content when vLLM freed it (:meth:`check`).
+    Fresh blocks get :data:`UNWRITTEN` once ``handle_preemptions`` returned (where
+    OffloadingConnector waits for saves still reading a reused block,
+    ``jobs_to_flush``, offloading/worker.py 0.26-0.33).
 
     Args:
         kv_caches: layer name -> the worker's KV tensor (block-major layouts
@@ -217,9 +182,8 @@ class FreedBlocks:
     def watch(self, scheduler: Any) -> None:
         """Wrap the scheduler's ``KVCacheManager.free`` and its block pool.
 
-        ``BlockPool.free_blocks`` (ref count 0: freed), ``touch`` (a local
-        hit: the content is still there), ``get_new_blocks`` (fresh: marked at
-        the next :meth:`flush`); the same names in vLLM 0.26-0.33.
+        ``BlockPool.free_blocks`` (ref count 0), ``touch`` (local hit) and
+        ``get_new_blocks`` (fresh); the same names in vLLM 0.26-0.33.
         """
         mgr = scheduler.kv_cache_manager
         pool = mgr.block_pool
@@ -273,10 +237,7 @@ class FreedBlocks:
             self.freed[b] = f"{why}, engine step {self.step}"
 
     def handed_out(self, blocks: list[int], fresh: bool) -> None:
-        """Blocks vLLM hands to a request: fresh ones get the mark at :meth:`flush`.
-
-        A local prefix-cache hit (``fresh=False``) keeps the content as it is.
-        """
+        """Blocks vLLM hands out; fresh ones (no local hit) get the mark at flush."""
         for b in blocks:
             self.freed.pop(b, None)
             self.kept.pop(b, None)
@@ -286,8 +247,7 @@ class FreedBlocks:
     def flush(self) -> None:
         """Mark the blocks handed out fresh (call after handle_preemptions).
 
-        What vLLM's forward would overwrite from here on (the caller makes the
-        marks visible to other CUDA streams before the load starts).
+        The caller makes the marks visible to other CUDA streams before the load starts.
         """
         import torch
 
@@ -298,14 +258,10 @@ class FreedBlocks:
                 fill_blocks(kv, ids, UNWRITTEN)
 
     def check(self, where: str) -> list[str]:
-        """Blocks written while free since the last check.
+        """Blocks written while free since the last check, one sentence each.
 
-        Args:
-            where: what ran since (``the worker step of engine step 7``).
-
-        Returns:
-            one sentence per such block (also added to :attr:`uses`).
-
+        ``where`` names what ran since (``the worker step of engine step 7``); the
+        sentences are also added to :attr:`uses`.
         """
         import torch
 

@@ -18,9 +18,7 @@ if TYPE_CHECKING:
 def assert_scheduler_empty_and_no_leaked_blocks(scheduler: Any) -> None:
     """Every request is gone and every KV block is free again.
 
-    Raises:
-        AssertionError: names what is left (requests, queues, blocks with refs).
-
+    The AssertionError names what is left (requests, queues, blocks with refs).
     """
     left = []
     for attr in ("requests", "waiting", "running", "finished_req_ids",
@@ -46,10 +44,7 @@ def assert_hit_matches_rule(matched: int, expected: int, prompt_len: int,
                             block_size: int, rule: str, source: str) -> None:
     """The connector matched exactly the profile's declared hit rule.
 
-    Raises:
-        AssertionError: more (claims tokens it may not have) or fewer (throws
-            hits away) than declared.
-
+    Neither more (claims tokens it may not have) nor fewer (throws hits away).
     """
     if matched == expected:
         return
@@ -66,16 +61,10 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
                                is_async: bool) -> None:
     """The connector never claims the last prompt token a request must compute.
 
-    A synchronous match must leave at least the last prompt token to compute
-    (``local + matched <= len - 1``, i.e. at most ``floor((len - 1) / B) * B``):
-    vLLM's scheduler asserts otherwise. An asynchronous match may cover the whole
-    prompt; vLLM then recomputes the last token itself
-    (``Scheduler._update_waiting_for_remote_kv``), so the bound is ``len``.
-
-    Raises:
-        AssertionError: the bound is exceeded (checked at the moment the
-            connector answers, before vLLM's scheduler acts on it).
-
+    Checked when the connector answers, before vLLM's scheduler acts on it:
+    ``matched >= 0``; sync ``local + matched <= len - 1`` (vLLM's scheduler asserts
+    otherwise); async ``<= len`` (vLLM recomputes the last token itself,
+    ``Scheduler._update_waiting_for_remote_kv``).
     """
     n = request.num_tokens
     limit = n if is_async else n - 1
@@ -115,30 +104,17 @@ def assert_match_within_prompt(request: Any, local: int, matched: int,
 def full_prompt_ends(prompt_len: int, is_async: bool) -> tuple[int, ...]:
     """Where a hit may end inside a block: at the prompt's last token.
 
-    vLLM takes an external count that is not a whole number of blocks: it
-    allocates ``cdiv(local + matched, B)`` blocks for it
+    Returns the totals ``local + matched`` allowed to end inside a block:
+    ``prompt_len - 1``, and ``prompt_len`` for an async load. vLLM allocates
+    ``cdiv(local + matched, B)`` blocks
     (``SingleTypeKVCacheManager.allocate_external_computed_blocks``,
-    ``vllm/v1/core/single_type_kv_cache_manager.py`` L320-L322 in 0.28.0) and
-    caches whole blocks only. Its own full-prompt hit ends one token short: an
-    asynchronous load of the whole prompt is cut to ``num_tokens - 1`` once
-    received (``Scheduler._update_waiting_for_remote_kv``, ``scheduler.py``
-    L2759-L2762 in 0.28.0, L3515-L3516 in 0.33.0), so the one block the load
-    and the forward share holds the last prompt token only, which vLLM
-    computes anyway. That is the ``len - 1`` answer of a connector that stored
-    the whole prompt (LMCache: "in the full-prompt-hit case we need to recompute
-    the last token"). Anywhere else a partial block would be split between a
-    load and a computed prefix mid-prompt, which vLLM never presents itself (it
-    hands the connector a block-aligned local hit, ``scheduler.py`` L822-L828)
-    and which no connector of vLLM's own answers.
-
-    Args:
-        prompt_len: tokens of the request when it was asked (``num_tokens``).
-        is_async: the answer's ``load_kv_async``.
-
-    Returns:
-        the totals ``local + matched`` that may end inside a block: ``len - 1``,
-        and ``len`` for an asynchronous load.
-
+    ``vllm/v1/core/single_type_kv_cache_manager.py`` L320-L322 in 0.28.0) and cuts
+    an async full-prompt load to ``num_tokens - 1``
+    (``Scheduler._update_waiting_for_remote_kv``, ``scheduler.py`` L2759-L2762 in
+    0.28.0, L3515-L3516 in 0.33.0); LMCache answers ``len - 1`` ("in the
+    full-prompt-hit case we need to recompute the last token"). A partial block
+    anywhere else would be split mid-prompt, which vLLM never presents (its local
+    hit is block-aligned, ``scheduler.py`` L822-L828).
     """
     return (prompt_len - 1, prompt_len) if is_async else (prompt_len - 1,)
 
@@ -147,17 +123,9 @@ def assert_block_aligned(matched: int, block_size: int, prompt_len: int,
                          local: int = 0, is_async: bool = False) -> None:
     """Matched tokens are whole blocks, or end exactly at the prompt's last token.
 
-    Args:
-        matched: the connector's answer (tokens beyond ``local``).
-        block_size: B in tokens.
-        prompt_len: tokens of the request when it was asked.
-        local: ``num_computed_tokens`` vLLM passed in (a block-aligned local hit).
-        is_async: the answer's ``load_kv_async``.
-
-    Raises:
-        AssertionError: not a multiple of B, and ``local + matched`` is not one of
-            :func:`full_prompt_ends`.
-
+    ``matched`` (tokens beyond ``local``, vLLM's block-aligned
+    ``num_computed_tokens``) must be a multiple of ``block_size``, or
+    ``local + matched`` one of :func:`full_prompt_ends`.
     """
     if matched % block_size == 0 or (
             matched > 0 and local + matched in full_prompt_ends(prompt_len, is_async)):
@@ -176,13 +144,7 @@ def assert_block_aligned(matched: int, block_size: int, prompt_len: int,
 def assert_last_token_recomputed(driver: EngineDriver, request: Any) -> None:
     """When the request first computes, at most ``len - 1`` tokens are computed.
 
-    vLLM must run at least the last prompt token to sample; a synchronous
-    connector that matches the whole prompt leaves nothing to schedule.
-
-    Raises:
-        AssertionError: the request never computed, or computed none of its
-            prompt.
-
+    Fails also when the request never computed.
     """
     rid = request.request_id
     n = request.num_prompt_tokens
@@ -199,12 +161,7 @@ def assert_last_token_recomputed(driver: EngineDriver, request: Any) -> None:
 
 def assert_only_unmatched_tokens_run(driver: EngineDriver, request: Any,
                                      matched: int) -> None:
-    """After the load, the request runs exactly its unmatched tokens.
-
-    Raises:
-        AssertionError: it recomputed loaded tokens or skipped unmatched ones.
-
-    """
+    """After the load, the request computes from token ``min(matched, len - 1)`` on."""
     rid = request.request_id
     n = request.num_prompt_tokens
     computed, _ = driver.first_compute[rid]
@@ -217,12 +174,7 @@ def assert_only_unmatched_tokens_run(driver: EngineDriver, request: Any,
 
 
 def assert_metadata_survives_serialization(meta: Any) -> None:
-    """``meta`` is a ``KVConnectorMetadata`` that round-trips unchanged.
-
-    Raises:
-        AssertionError: wrong type, pickling fails, or a field changes.
-
-    """
+    """``meta`` is a ``KVConnectorMetadata`` that survives vLLM's pickling unchanged."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
     assert isinstance(meta, KVConnectorMetadata), (
@@ -242,12 +194,7 @@ def assert_metadata_survives_serialization(meta: Any) -> None:
 
 
 def assert_request_finished_types(ret: Any, method: str) -> None:
-    """``request_finished(_all_groups)`` returns ``(bool, dict | None)``.
-
-    Raises:
-        AssertionError: another shape or types.
-
-    """
+    """``request_finished(_all_groups)`` returns ``(bool, dict | None)``."""
     ok = (isinstance(ret, tuple) and len(ret) == 2 and isinstance(ret[0], bool)
           and (ret[1] is None or isinstance(ret[1], dict)))
     assert ok, (f"{method} returned {ret!r}; vLLM expects (delay_free_blocks: bool, "
@@ -255,12 +202,7 @@ def assert_request_finished_types(ret: Any, method: str) -> None:
 
 
 def assert_loaded_kv_bit_identical(worker: Any) -> None:
-    """Every load verified by the worker harness was bit-identical.
-
-    Raises:
-        AssertionError: the first mismatch (layer, token, block).
-
-    """
+    """Every load verified by the worker harness was bit-identical."""
     errs = getattr(worker, "load_errors", [])
     assert not errs, (
         f"loaded KV differs from what was stored ({len(errs)} request(s)): "
@@ -271,10 +213,8 @@ def assert_loaded_kv_bit_identical(worker: Any) -> None:
 def assert_no_write_into_free_blocks(worker: Any, what: str) -> None:
     """No block was written while vLLM had it free (:mod:`tvc.contract.freed`).
 
-    Raises:
-        AssertionError: names the first such block, its layer, what freed it
-            and when it was written ("used after vLLM freed it").
-
+    The AssertionError names the first such block, its layer, what freed it and
+    when it was written ("used after vLLM freed it").
     """
     uses = list(getattr(worker, "freed_uses", ()))
     assert not uses, (f"{what}: {len(uses)} block(s) written while vLLM had them "
@@ -288,10 +228,7 @@ def iter_finished_returns(driver: EngineDriver) -> Iterable[tuple[str, str, Any]
 
 
 def snapshot_kv(worker: Any) -> dict[str, Any]:
-    """A copy of every KV tensor of a ``ConnectorWorker``.
-
-    For :func:`assert_untouched_outside`.
-    """
+    """A copy of every KV tensor of a worker, for :func:`assert_untouched_outside`."""
     return {name: t.clone() for name, t in worker.kv_caches.items()}
 
 
@@ -299,15 +236,8 @@ def assert_untouched_outside(worker: Any, snapshot: dict[str, Any],
                              owned: Iterable[int], what: str) -> None:
     """No KV block outside ``owned`` changed since ``snapshot``, in any layer.
 
-    Args:
-        worker: the :class:`ConnectorWorker`.
-        snapshot: from :func:`snapshot_kv`.
-        owned: block ids the requests of the phase hold (they may change).
-        what: the phase, for the message.
-
-    Raises:
-        AssertionError: names the layer and the first block that changed.
-
+    ``owned``: block ids the phase's requests hold (they may change). The
+    AssertionError names the layer and the first block that changed.
     """
     import torch
 

@@ -1,34 +1,16 @@
 """Which model runner and KV layout the installed vLLM hands a connector's worker.
 
-A connector's worker side sees the KV cache the engine registers, and the engine
-decides it in two steps:
-
-1. **The model runner.** ``VllmConfig.use_v2_model_runner`` (``vllm/config/
-   vllm.py``, 0.26-0.33): the environment variable ``VLLM_USE_V2_MODEL_RUNNER``
-   first; then model rules. 0.26 and 0.28: a generating, non-hybrid,
-   non-attention-free model that is not MoE (or whose architecture is listed in
-   ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``) runs on V2 when Triton is present
-   and no unsupported feature is on; MoE models default to V1. 0.33: V2 unless
-   the environment says otherwise.
-2. **The KV tensors.** The V2 runner (``vllm/v1/worker/gpu/kv_connector.py``,
-   0.26-0.33) always calls ``register_kv_caches`` with one tensor per layer,
-   logical shape ``(num_blocks, H, block_size, 2*D)`` ("TODO: support
-   cross_layers_kv_cache"). The V1 runner (``GPUModelRunner.
-   initialize_kv_cache_tensors``, 0.26/0.28) hands one cross-layer tensor
-   through ``register_cross_layers_kv_cache`` when the connector sets
-   ``prefer_cross_layer_blocks`` and ``KVConnectorModelRunnerMixin.
-   use_uniform_kv_cache`` holds (one KV cache group of attention layers, a
-   backend that indexes by block stride); vLLM 0.33 has no cross-layer API. The
-   physical order of H and B (``NHD`` or ``HND``) comes from
-   ``VLLM_KV_CACHE_LAYOUT``, else the connector's
-   ``get_required_kvcache_layout`` (``get_kv_cache_layout`` in
-   ``vllm/v1/attention/backends/utils.py``; 0.33 resolves it once in the engine
-   core, ``resolve_kv_cache_layout``).
-
-The harness takes the runner from vLLM's own property where it exists
-(:func:`decide_model_runner`, with Triton assumed present as on a CUDA host),
-else from :func:`mirror_model_runner`, a per-version transcription that the
-self-tests compare with vLLM's property for 0.26, 0.28 and 0.33.
+The runner: ``VllmConfig.use_v2_model_runner`` (``vllm/config/vllm.py``,
+0.26-0.33), taken from vLLM's own property (:func:`decide_model_runner`) or its
+per-version transcription (:func:`mirror_model_runner`). The tensors: V2
+(``vllm/v1/worker/gpu/kv_connector.py``) registers per-layer
+``(num_blocks, H, B, 2*D)``; V1 (``GPUModelRunner.initialize_kv_cache_tensors``,
+0.26/0.28) one cross-layer tensor where ``prefer_cross_layer_blocks`` and
+``KVConnectorModelRunnerMixin.use_uniform_kv_cache`` hold. NHD/HND comes from
+``VLLM_KV_CACHE_LAYOUT``, else ``get_required_kvcache_layout``
+(``get_kv_cache_layout``, ``vllm/v1/attention/backends/utils.py``; 0.33:
+``resolve_kv_cache_layout``). See docs/tutti.md, "Which KV tensors the engine
+hands a connector".
 """
 
 from __future__ import annotations
@@ -62,10 +44,8 @@ class ModelFacts:
     Attributes:
         architectures: ``hf_config.architectures``.
         runner_type: ``"generate"``, ``"pooling"``...
-        is_moe: ``ModelConfig.is_moe``.
-        is_hybrid: ``ModelConfig.is_hybrid`` (attention + Mamba-like layers).
-        is_attention_free: ``ModelConfig.is_attention_free``.
-        is_diffusion: ``ModelConfig.is_diffusion`` (0.26+; False where absent).
+        is_hybrid: attention + Mamba-like layers.
+        is_diffusion: 0.26+; False where absent.
 
     """
 
@@ -90,12 +70,7 @@ class ModelFacts:
 
 
 def _env_bool(value: str | None) -> bool | None:
-    """``vllm.envs.maybe_convert_bool``: None stays None, else ``bool(int(value))``.
-
-    Raises:
-        ValueError: not an integer (vLLM raises the same at start-up).
-
-    """
+    """``vllm.envs.maybe_convert_bool``; ValueError on a non-integer, as vLLM."""
     if value is None:
         return None
     return bool(int(value))
@@ -104,25 +79,13 @@ def _env_bool(value: str | None) -> bool | None:
 def mirror_model_runner(version: str, facts: ModelFacts, env: Mapping[str, str],
                         *, has_triton: bool = True,
                         unsupported: Sequence[str] = ()) -> str:
-    """The runner vLLM ``version`` picks, transcribed from its ``use_v2_model_runner``.
+    """The runner (``"V1"``/``"V2"``) vLLM ``version`` picks (``use_v2_model_runner``).
 
-    Speculative-decoding and context-parallel branches are not modelled (the
-    suite runs neither); ``unsupported`` is what
-    ``VllmConfig._get_v2_model_runner_unsupported_features()`` returned.
-
-    Args:
-        version: the vLLM version, e.g. ``"0.28.0"``.
-        facts: the model's :class:`ModelFacts`.
-        env: the server's environment (``VLLM_USE_V2_MODEL_RUNNER``).
-        has_triton: Triton importable (True on a CUDA host).
-        unsupported: V2 features the config uses that V2 lacks.
-
-    Returns:
-        ``"V2"`` or ``"V1"``.
-
-    Raises:
-        ValueError: ``VLLM_USE_V2_MODEL_RUNNER`` is not an integer.
-
+    A transcription for ``facts`` and the server's ``env``; ``has_triton`` is True on
+    a CUDA host; ``unsupported`` is
+    ``VllmConfig._get_v2_model_runner_unsupported_features()``. Speculative-decoding
+    and context-parallel branches are not modelled (the suite runs neither).
+    ValueError when ``VLLM_USE_V2_MODEL_RUNNER`` is not an integer.
     """
     from packaging.version import Version
 
@@ -152,9 +115,8 @@ def mirror_model_runner(version: str, facts: ModelFacts, env: Mapping[str, str],
 def vllm_env(env: Mapping[str, str]) -> Iterator[None]:
     """Set ``env`` in ``os.environ`` for vLLM's readers, then restore it.
 
-    ``vllm.envs`` reads ``os.environ`` on every attribute access unless its
-    cache is enabled (``enable_envs_cache``); the cache, and the cached
-    ``get_kv_cache_layout``, are cleared on entry and exit.
+    Clears ``vllm.envs``' cache (``enable_envs_cache``) and the cached
+    ``get_kv_cache_layout`` on entry and exit.
     """
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -187,13 +149,8 @@ def decide_model_runner(vllm_config: Any, env: Mapping[str, str] | None = None
                         ) -> tuple[str, str]:
     """The model runner the installed vLLM uses for this config on a CUDA host.
 
-    Calls vLLM's own ``VllmConfig.use_v2_model_runner`` under ``env`` (and the
-    process environment), with ``HAS_TRITON`` taken as True: a CUDA host has
-    Triton, a CPU box often does not, and the decision is for the GPU server.
-
-    Args:
-        vllm_config: the config the harness built for the profile's model.
-        env: the profile's ``[vllm] env`` (applied over ``os.environ``).
+    Calls ``VllmConfig.use_v2_model_runner`` under ``env`` (over ``os.environ``) with
+    ``HAS_TRITON`` True: the decision is for the GPU server, even on a CPU box.
 
     Returns:
         ``(runner, source)``: runner ``"V1"`` or ``"V2"``; source ``"vllm"``
@@ -244,8 +201,8 @@ def _patched(mod: Any, name: str, value: Any) -> Iterator[None]:
 def cross_layer_api() -> bool:
     """Whether this vLLM's V1 runner can hand a cross-layer tensor at all.
 
-    ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (0.26, 0.28);
-    absent in 0.33.
+    ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (0.26, 0.28); absent
+    in 0.33.
     """
     try:
         from vllm.v1.worker.kv_connector_model_runner_mixin import (
@@ -260,14 +217,9 @@ def allowed_kv_layouts(connector_cls: Any, vllm_config: Any,
                        env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The physical KV layouts (NHD/HND) this engine may hand the connector.
 
-    ``VLLM_KV_CACHE_LAYOUT`` (the profile's env, else the process's) fixes one;
-    else the connector's ``get_required_kvcache_layout(vllm_config)`` (a
-    classmethod of ``KVConnectorBase_V1``) fixes one when it returns a name;
-    else the user may pick either through the variable.
-
-    Returns:
-        a tuple of ``"NHD"`` / ``"HND"``.
-
+    ``VLLM_KV_CACHE_LAYOUT`` (profile env, else process) fixes one; else the
+    connector's ``get_required_kvcache_layout(vllm_config)`` when it returns a name;
+    else both.
     """
     merged = {**os.environ, **dict(env or {})}
     fixed = merged.get(LAYOUT_ENV)
@@ -288,13 +240,10 @@ class KVLayoutChoice:
     """The runner and KV layout one worker harness used.
 
     Attributes:
-        runner: ``"V1"`` or ``"V2"``.
         runner_source: see :func:`decide_model_runner`.
-        cross_layer: one cross-layer tensor was registered.
         kv_layout: ``"NHD"`` or ``"HND"`` (physical order of H and B).
-        shape: the registered tensor's shape (the cross-layer tensor, or the
-            first layer's).
-        stride: its strides in elements (the physical order of the axes).
+        shape: the cross-layer tensor's shape, or the first layer's.
+        stride: its strides in elements.
 
     """
 
@@ -306,11 +255,7 @@ class KVLayoutChoice:
     stride: tuple[int, ...] = ()
 
     def physical_layout(self) -> str:
-        """NHD or HND as the strides show it.
-
-        Per layer ``(N, H, B, 2D)``: H outside B in memory is HND. For the
-        cross-layer tensor: the named layout.
-        """
+        """NHD or HND as the strides show it (per layer ``(N, H, B, 2D)``)."""
         if self.cross_layer or len(self.stride) != 4:
             return self.kv_layout
         return "HND" if self.stride[1] > self.stride[2] else "NHD"

@@ -60,7 +60,7 @@ class SchedulerSideMixin:
     def forget_local_cache(self) -> None:
         """Drop vLLM's local prefix cache: the next hit must be the connector's.
 
-        Uses ``Scheduler.reset_prefix_cache``; the connector keeps its store.
+        ``Scheduler.reset_prefix_cache``; the connector keeps its store.
         """
         assert self.scheduler.reset_prefix_cache(), (
             "vLLM refused to reset its prefix cache: a request still holds blocks")
@@ -87,40 +87,24 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
              on_no_worker: Any = None, **config_kw: Any) -> Rig:
     """Build config, KV cache config, scheduler, worker and driver.
 
-    Args:
-        profile: the target profile.
-        scratch: suite-owned directory.
-        device: where the worker's KV tensors live (``cpu`` / ``cuda``).
-        real_worker: drive the connector's real worker side; default: when the
-            profile's ``connector.worker_devices`` lists ``device``. Otherwise
-            the profile's ``connector.worker_report`` stand-in
-            (``module:function``, :func:`tvc.contract.standins.load_worker_report`)
-            runs, or the driver picks the built-in :class:`JobAckWorker` where the
-            metadata speaks its protocol, and refuses to drive a connector that
-            publishes residency through worker metadata with neither
-            (:class:`tvc.contract.standins.WorkerReportMissing`).
-        num_blocks: KV blocks in the pool.
-        kv_layout: ``"NHD"`` / ``"HND"``: set ``VLLM_KV_CACHE_LAYOUT`` for this
-            rig (over the profile's ``[vllm] env``); None leaves it to them.
-            The rig is built under the profile's ``[vllm] env``, and the model
-            runner (V1: cross-layer tensor where the connector prefers it and
-            vLLM allows it; V2: per layer) is decided for it as the installed
-            vLLM decides (:func:`tvc.contract.layout.decide_model_runner`).
-        scheduler_only: the test drives the scheduler side alone (no worker is
-            built; the driver acknowledges delayed frees and asynchronous loads,
-            see :class:`~tvc.contract.driver.EngineDriver`). Otherwise a rig
-            where no worker of any kind can run fails at its first step with
-            :class:`~tvc.contract.driver.NoWorkerHere`.
-        on_no_worker: the driver's ``on_no_worker`` (called with the message
-            before :class:`~tvc.contract.driver.NoWorkerHere` is raised).
-        **config_kw: passed to :func:`make_vllm_config`.
-
-    Returns:
-        the :class:`Rig`.
+    Built under the profile's ``[vllm] env`` (``kv_layout`` sets
+    ``VLLM_KV_CACHE_LAYOUT`` over it); the model runner is decided as vLLM decides
+    (:func:`tvc.contract.layout.decide_model_runner`). ``real_worker`` defaults to
+    whether ``connector.worker_devices`` lists ``device``; otherwise the
+    ``connector.worker_report`` stand-in or the built-in :class:`JobAckWorker` runs
+    (docs/profiles.md), and a connector that publishes residency through worker
+    metadata with neither is refused
+    (:class:`~tvc.contract.standins.WorkerReportMissing`).
+    ``scheduler_only`` builds no worker (the driver acknowledges delayed frees and
+    async loads); otherwise a rig where no worker can run fails at its first step
+    with :class:`~tvc.contract.driver.NoWorkerHere` (``on_no_worker`` is called with
+    the message first). ``config_kw`` goes to :func:`make_vllm_config`.
 
     Raises:
         tvc.contract.standins.WorkerReportError: the declared stand-in cannot be
             built.
+        tvc.contract.driver.NoWorkerHere: ``connector.lookups_need_worker`` and no
+            real worker.
 
     """
     run_store.mark_if_missing(Path(profile.scratch))  # the suite's from the start
@@ -176,11 +160,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
 
 def _rig_runs_profile_connector(profile: Profile, config_kw: dict[str, Any]
                                 ) -> bool:
-    """Whether a rig's connector is the profile's (itself or inside the fault wrapper).
-
-    A test may build a rig of another ``kv_transfer_config`` (a wrong class name,
-    a wrong module path): vLLM judges that one, not the profile's connector.
-    """
+    """Whether the rig's connector is the profile's (possibly in the fault wrapper)."""
     ktc = config_kw.get("kv_transfer_config") or profile.kv_transfer_config()
     inner = ((ktc.get("kv_connector_extra_config") or {}).get("tvc_fault") or {}
              ).get("inner") or {}
@@ -193,9 +173,7 @@ def note_rig(log: CoverageLog, vllm_config: Any, kv_cache_config: Any,
              worker: Any) -> None:
     """Record a rig's settings, layer kinds and worker set-up on ``log``.
 
-    The worker-role connector (a real :class:`ConnectorWorker`'s) is wrapped
-    so its calls are recorded too; its KV caches were registered when the
-    worker was built, which is recorded here.
+    Wraps a real worker's connector so its calls are recorded too.
     """
     log.note_config(vllm_config)
     log.note_layers(kv_cache_config)
@@ -218,16 +196,9 @@ def worker_kv_layouts(profile: Profile, scratch: Path, **config_kw: Any
                       ) -> tuple[str, ...]:
     """The KV layouts (``NHD``/``HND``) the engine may hand this connector's worker.
 
-    The profile's ``[vllm] env`` or the process's ``VLLM_KV_CACHE_LAYOUT`` fixes
-    one; else the connector class's ``get_required_kvcache_layout(vllm_config)``
-    (resolved through vLLM's ``KVConnectorFactory.get_connector_class``); else
-    both (:func:`tvc.contract.layout.allowed_kv_layouts`).
-
-    Args:
-        profile: the target profile.
-        scratch: suite-owned directory.
-        **config_kw: passed to :func:`make_vllm_config`.
-
+    ``VLLM_KV_CACHE_LAYOUT`` (profile env or process) fixes one; else the class's
+    ``get_required_kvcache_layout``; else both
+    (:func:`tvc.contract.layout.allowed_kv_layouts`).
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import (
         KVConnectorFactory,
@@ -243,9 +214,8 @@ def worker_kv_layouts(profile: Profile, scratch: Path, **config_kw: Any
 def package_missing_reason(profile: Profile) -> str:
     """Why the package of the profile's connector is absent ('' if it is installed).
 
-    For a vLLM connector whose code lives in another distribution
-    (``[package] name``, e.g. ``lmcache`` for ``LMCacheConnectorV1``): none of
-    the distributions the profile names is installed.
+    For a connector whose code lives in another distribution (``[package] name``,
+    e.g. ``lmcache`` for ``LMCacheConnectorV1``).
     """
     import sys
 
@@ -271,8 +241,8 @@ def package_missing_reason(profile: Profile) -> str:
 def adapter_missing_reason(profile: Profile) -> str:
     """Why the profile's out-of-tree connector module cannot be found ('' if it can).
 
-    Only a module that is *absent* counts; one that is present but fails to
-    import is a real failure (level1 ``test_connector_resolves`` names the cause).
+    Only an absent module counts; one that fails to import is level1
+    ``test_connector_resolves``'s failure.
     """
     import importlib
     import importlib.util
@@ -320,9 +290,8 @@ def _close_module(name: str) -> str:
 def class_missing_reason(profile: Profile) -> str:
     """Why ``connector.name`` is no class of ``module_path`` ('' if it is one).
 
-    vLLM would raise a bare ``AttributeError`` in every test. A module that
-    fails to import is left to level1 ``test_connector_resolves``; an in-tree
-    name vLLM does not know is refused by vLLM's config (its own message).
+    Else vLLM would raise a bare ``AttributeError`` in every test. Import failures are
+    left to level1 ``test_connector_resolves``.
     """
     import importlib
 

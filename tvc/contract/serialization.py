@@ -13,21 +13,9 @@ from typing import Any
 def serialize_like_vllm(obj: Any) -> bytes:
     """Pickle ``obj`` as vLLM sends ``SchedulerOutput`` from scheduler to workers.
 
-    vLLM's multiprocess executor broadcasts the scheduler output through
-    ``vllm.distributed.device_communicators.shm_broadcast.MessageQueue.enqueue``:
-    ``pickle`` at ``HIGHEST_PROTOCOL`` with out-of-band buffers and, where the
-    installed vLLM has it, a dispatch table routing CPU tensors through
-    ``_reduce_tensor``. This does the same, with the same reducer when present.
-
-    Args:
-        obj: the object to send (a ``KVConnectorMetadata``).
-
-    Returns:
-        the pickle stream with out-of-band buffers packed after it.
-
-    Raises:
-        Exception: whatever pickle raises for an unserializable object.
-
+    As ``vllm.distributed.device_communicators.shm_broadcast.MessageQueue.enqueue``:
+    ``HIGHEST_PROTOCOL``, out-of-band buffers (packed after the stream), and its
+    ``_reduce_tensor`` for CPU tensors where present. Pickle's errors propagate.
     """
     from vllm.distributed.device_communicators import shm_broadcast
 
@@ -61,9 +49,7 @@ def round_trip(obj: Any) -> Any:
 def structurally_equal(a: Any, b: Any, path: str = "meta") -> str:
     """Compare two objects field by field; tensors by dtype, shape and values.
 
-    Returns:
-        '' when equal, else the first differing path and both values.
-
+    Returns '' when equal, else the first differing path and both values.
     """
     import torch
 

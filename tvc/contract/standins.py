@@ -1,36 +1,14 @@
 """Worker reports for the contract rig where a connector's worker side cannot run.
 
-Some connectors keep their scheduler-side index in memory and learn what was
-stored only from their workers: the worker returns a ``KVConnectorWorkerMetadata``
-from ``build_connector_worker_meta()``, vLLM's model runner puts it into
-``KVConnectorOutput.kv_connector_worker_meta``
-(``vllm/v1/worker/kv_connector_model_runner_mixin.py``, 0.26-0.33) and the
-scheduler hands it to ``update_connector_output()``. Driven without a worker, such
-a connector never sees a stored chunk, so every hit is 0 and a hit-rule test
-would "pass" on nothing.
-
-The rig therefore needs, for such a connector, one of:
-
-* the connector's real worker side (:class:`tvc.contract.worker.ConnectorWorker`),
-  where the profile's ``connector.worker_devices`` lists the rig's device;
-* the suite's built-in job-protocol stand-in
-  (:class:`tvc.contract.worker.JobAckWorker`), where the metadata speaks it
-  (``connector.worker_report = "standin"`` or empty);
-* a stand-in the profile declares, ``connector.worker_report =
-  "module:function"``: ``function(vllm_config, kv_cache_config, connector)``
-  returns a callable ``report(scheduler_output, metadata)`` that returns the
-  ``KVConnectorOutput`` (or just the worker metadata, or None) reporting exactly
-  what the scheduler planned (:class:`HookWorker` runs it).
-
-With none of these the driver raises :class:`WorkerReportMissing` naming the
-profile key, instead of letting the tests pass with 0 hits. Every test that ran
-with a stand-in records ``worker = "stand-in: <hook>"`` (JUnit property and
-``summary.json``), so a reader sees that no bytes moved.
-
-:func:`tutti_worker_report` is the stand-in for the public Tutti connector
-(``TuttiConnectorV1``, xPU-IO/Tutti ``integration/vllm-connector`` at 33a8fb8),
-written from its observable contract; it imports Tutti's own classes from the
-user's checkout at run time.
+A connector that learns what was stored only from its workers' metadata
+(``build_connector_worker_meta()`` -> ``KVConnectorOutput.kv_connector_worker_meta``
+-> ``update_connector_output()``,
+``vllm/v1/worker/kv_connector_model_runner_mixin.py``, 0.26-0.33) would see 0
+hits without a worker. The rig then needs the real worker, the built-in
+:class:`tvc.contract.worker.JobAckWorker`, or a profile-declared
+``connector.worker_report = "module:function"`` (run by :class:`HookWorker`);
+with none, :class:`WorkerReportMissing`. See docs/profiles.md.
+:func:`tutti_worker_report` is the stand-in for the public ``TuttiConnectorV1``.
 """
 
 from __future__ import annotations
@@ -69,16 +47,7 @@ class WorkerReportMissing(RuntimeError):
 
 
 def innermost_connector(connector: Any) -> Any:
-    """The connector under test inside suite wrappers (the fault wrapper's ``.inner``).
-
-    Args:
-        connector: a connector instance (scheduler or worker role).
-
-    Returns:
-        the innermost connector: follows ``.inner`` while the object is a
-        :class:`tvc.contract.faults.FaultInjectingConnector`.
-
-    """
+    """The connector under test, unwrapped from suite fault wrappers (``.inner``)."""
     from tvc.contract.faults import FaultInjectingConnector
 
     seen = 0
@@ -91,17 +60,9 @@ def innermost_connector(connector: Any) -> Any:
 def publishes_worker_meta(connector: Any) -> bool:
     """Whether a connector publishes state from its workers through worker metadata.
 
-    Feature detection on the class: it overrides
+    True when its class (wrappers looked through) overrides
     ``KVConnectorBase_V1.build_connector_worker_meta`` (the base returns None,
     ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, 0.26-0.33).
-
-    Args:
-        connector: a connector instance; wrappers are looked through
-            (:func:`innermost_connector`).
-
-    Returns:
-        True when its worker side returns worker metadata to the scheduler.
-
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
@@ -114,16 +75,7 @@ def publishes_worker_meta(connector: Any) -> bool:
 
 
 def missing_report_message(connector: Any, why_no_worker: str) -> str:
-    """The one-paragraph error for a connector left without a worker report.
-
-    Args:
-        connector: the scheduler-side connector.
-        why_no_worker: why the rig runs no real worker (device, worker_devices).
-
-    Returns:
-        a message naming the connector, the residency path and the profile key.
-
-    """
+    """The one-paragraph error for a connector left without a worker report."""
     name = type(innermost_connector(connector)).__name__
     return (
         f"{name} publishes residency through worker metadata "
@@ -142,18 +94,14 @@ def missing_report_message(connector: Any, why_no_worker: str) -> str:
 class HookWorker:
     """Runs a profile-declared stand-in in place of the connector's worker side.
 
-    Moves no bytes: ``loaded`` and ``load_errors`` stay empty, so the
-    bit-identity checks have nothing to verify (the worker-side round trip is the
-    real worker's test, on a device it runs on). Under
-    :class:`tvc.contract.faults.FaultInjectingConnector` the load failures the wrapper
-    planned with reporting on are reported as the real worker would
-    (``invalid_block_ids``: a synchronous load's in this step, an asynchronous
-    one's in the step that finishes receiving it), as
-    :class:`tvc.contract.worker.JobAckWorker` does.
+    Moves no bytes (``loaded`` and ``load_errors`` stay empty). Under
+    :class:`tvc.contract.faults.FaultInjectingConnector` it reports the planned load
+    failures in ``invalid_block_ids`` as :class:`tvc.contract.worker.JobAckWorker`
+    does (sync: this step; async: the step that finishes receiving).
 
     Attributes:
-        hook: the ``module:function`` the profile declared.
-        standin_label: ``hook``, recorded as the test's ``worker`` property.
+        hook: the ``module:function`` the profile declared (also
+            ``standin_label``, the test's ``worker`` property).
         steps: steps run; ``reports``: steps whose report was not empty.
 
     """
@@ -170,17 +118,10 @@ class HookWorker:
         self.await_recv: dict[str, list[int]] = {}
 
     def execute(self, so: Any, meta: Any) -> Any:
-        """Call the stand-in with this step's scheduler output and metadata.
+        """Call the stand-in with this step's scheduler output and unwrapped metadata.
 
-        The metadata is unwrapped from a fault wrapper's
-        (:func:`tvc.contract.worker.unwrap_metadata`).
-
-        Returns:
-            ``vllm.v1.outputs.KVConnectorOutput``.
-
-        Raises:
-            WorkerReportError: the stand-in raised or returned another type.
-
+        Returns a ``KVConnectorOutput``; WorkerReportError when the stand-in raised or
+        returned another type.
         """
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorWorkerMetadata,
@@ -229,15 +170,9 @@ def load_worker_report(spec: str, vllm_config: Any, kv_cache_config: Any,
                        connector: Any) -> HookWorker:
     """Build the stand-in a profile declares as ``connector.worker_report``.
 
-    Args:
-        spec: ``"module:function"``.
-        vllm_config: the rig's ``VllmConfig``.
-        kv_cache_config: the rig's ``KVCacheConfig``.
-        connector: the scheduler-side connector (wrappers included).
-
-    Returns:
-        a :class:`HookWorker` running ``function(vllm_config, kv_cache_config,
-        connector)``'s callable.
+    ``spec`` is ``"module:function"``; the function gets ``(vllm_config,
+    kv_cache_config, connector)`` (the innermost connector) and returns
+    ``report(scheduler_output, metadata)``, run by the returned :class:`HookWorker`.
 
     Raises:
         WorkerReportError: malformed spec, module or function not found, or the
@@ -280,30 +215,14 @@ def tutti_worker_report(vllm_config: Any, kv_cache_config: Any, connector: Any
                         ) -> Callable[[Any, Any], Any]:
     """Stand-in worker report for the public ``TuttiConnectorV1`` (memory index).
 
-    What Tutti's worker reports (xPU-IO/Tutti 33a8fb8, observed through its
-    scheduler on CPU): after ``wait_for_save`` it returns
-    ``adapter.worker_meta.TuttiWorkerMetadata(committed={chunk_key: ranks},
-    failed=set())`` for the chunks the scheduler reserved for it
-    (``_ReqMeta.save_chunk_start`` / ``save_chunk_count``, non-empty
-    ``save_generations`` = newly reserved). Chunk keys chain a 16-byte blake2b
-    over ``chunk_tokens`` token ids from the key namespace
-    (``index.chunk_index.ChunkIndex.hash_keys``; namespace from
-    ``adapter.connector._key_namespace`` over the geometry
-    ``_resolve_geometry`` derives from the ``KVCacheConfig``). A chunk becomes
-    resident once the summed count reaches the TP size, so this stand-in reports
-    ``tensor_parallel_size`` per key: the aggregate of every rank succeeding.
-
-    The classes are imported from the user's Tutti checkout (``adapter``,
-    ``index`` on ``PYTHONPATH``); nothing of Tutti is copied here.
-
-    Args:
-        vllm_config: the rig's config (its ``kv_connector_extra_config``).
-        kv_cache_config: the rig's ``KVCacheConfig``.
-        connector: the scheduler-side Tutti connector (inside a suite wrapper:
-            the inner one); its own config is used where it differs from the
-            rig's (``tvc.contract.faults`` builds the inner connector from an inner
-            ``kv_transfer_config``). Keys are recomputed independently, as the
-            worker does.
+    Mirrors Tutti's worker (xPU-IO/Tutti 33a8fb8): after ``wait_for_save`` it
+    returns ``TuttiWorkerMetadata(committed={chunk_key: ranks})`` for newly reserved
+    chunks (``_ReqMeta.save_chunk_start`` / ``save_chunk_count`` /
+    ``save_generations``), keys from ``ChunkIndex.hash_keys`` (16-byte blake2b
+    chain) under ``_key_namespace``. It reports ``tensor_parallel_size`` per key
+    (every rank succeeded). Tutti's classes come from the user's checkout on
+    ``PYTHONPATH``; see docs/tutti.md. The scheduler-side ``connector``'s own config
+    (innermost) wins over ``vllm_config`` where they differ.
 
     Returns:
         ``report(scheduler_output, metadata) -> TuttiWorkerMetadata | None``.

@@ -1,27 +1,12 @@
 """The steps and checks the contract tier's scenario tests are written with.
 
-The scenarios themselves live in the test bodies (``suites/contract/
-test_scenarios.py``, ``test_connector_api.py``), in vLLM's own style: numbered
-steps that drive vLLM's V1 scheduler (and the connector's real worker side
-where ``connector.worker_devices`` allows, else the transfer-acknowledging
-stand-in) through an :class:`~tvc.contract.driver.EngineDriver`, with the
-asserts where the step happens. This module holds what they share:
-
-* planning: prompt lengths from the connector's granularity
-  (``profile.granularity_tokens(B)``: tokens per stored unit, default ``B``),
-  so every scenario stores whole chunks; :class:`ScenarioError` names a plan
-  that cannot work (a prompt shorter than one chunk, a tier whose every
-  expected hit is 0); :class:`NotApplicable` a scenario that does not apply;
-* steps: :func:`store`, :func:`replay_of`, :func:`cold`;
-* checks: :func:`check_hit` (aligned, equal to the profile's rule from
-  ``num_computed_tokens`` on), :func:`check_every_load` (the KV of every
-  request that loaded is bit-identical, at the right slots), :func:`finish`
-  (bit-identical loads, nothing written into free blocks, the scheduler empty
-  and every KV block free).
-
-Every answer of ``get_num_new_matched_tokens`` is also checked when the
-connector gives it (``0 <= matched``, ``local + matched <= len - 1``, ``len``
-when asynchronous: :func:`~tvc.contract.invariants.assert_match_within_prompt`).
+The scenarios live in the test bodies (``suites/contract/test_scenarios.py``,
+``test_connector_api.py``): numbered steps that drive vLLM's V1 scheduler through
+an :class:`~tvc.contract.driver.EngineDriver`. This module holds what they share:
+planning (prompt lengths in whole chunks of ``profile.granularity_tokens(B)``;
+:class:`ScenarioError`, :class:`NotApplicable`), steps (:func:`store`,
+:func:`replay_of`, :func:`cold`) and checks (:func:`check_hit`,
+:func:`check_every_load`, :func:`finish`). See docs/contract.md.
 """
 
 from __future__ import annotations
@@ -61,38 +46,18 @@ class NotApplicable(Exception):  # noqa: N818 - reads as a reason to skip
 
 
 def chunk_tokens(profile: Any, block_size: int) -> int:
-    """Tokens the connector stores per unit (``connector.granularity``, default B).
-
-    Args:
-        profile: the target profile.
-        block_size: B in tokens.
-
-    Returns:
-        tokens per stored chunk (a multiple of nothing in particular; >= 1).
-
-    """
+    """Tokens (>= 1) the connector stores per unit (``connector.granularity``, or B)."""
     return int(profile.granularity_tokens(block_size))
 
 
 def first_hit_len(profile: Any, block_size: int,
                   max_len: int = DEFAULT_MAX_MODEL_LEN) -> int | None:
-    """The shortest prompt for which the profile's hit rule expects a hit.
+    """The shortest prompt (tokens) for which the profile's hit rule expects a hit.
 
-    A rule may expect nothing below a threshold (a connector that stores only
-    prompts of at least N tokens: ``... if len >= N else 0``); vLLM allows
-    that (``KVConnectorBase_V1.get_num_new_matched_tokens`` answers what can
-    be loaded, and ``build_connector_meta`` / ``save_kv_layer`` leave what to
-    save to the connector).
-
-    Args:
-        profile: the target profile.
-        block_size: B in tokens.
-        max_len: the longest prompt to consider (tokens).
-
-    Returns:
-        the length in tokens, or None without a rule (or when no prompt up to
-        ``max_len`` hits).
-
+    None without a rule, or when no prompt up to ``max_len`` hits. A rule may expect
+    nothing below a threshold; vLLM allows that
+    (``KVConnectorBase_V1.get_num_new_matched_tokens`` answers what can be loaded;
+    ``build_connector_meta`` / ``save_kv_layer`` leave what to save to the connector).
     """
     rule = hit_rule_of(profile)[0]
     if not rule:
@@ -113,11 +78,8 @@ _FIRST_HIT: dict[tuple[str, str, int, int], int | None] = {}
 def rule_edge_lengths(profile: Any, block_size: int, max_len: int) -> list[int]:
     """Prompt lengths around where the hit rule starts to expect a hit.
 
-    Returns:
-        ``[n - 1, n, n + 1]`` (those within ``[1, max_len]``) for ``n`` =
-        :func:`first_hit_len`, or ``[]`` without a rule: an off-by-one at a
-        threshold (``len > N`` for ``len >= N``) shows there.
-
+    ``[n - 1, n, n + 1]`` within ``[1, max_len]`` for ``n`` = :func:`first_hit_len`
+    (where an off-by-one threshold shows), or ``[]`` without a rule.
     """
     n = first_hit_len(profile, block_size, max_len)
     return [] if n is None else [m for m in (n - 1, n, n + 1) if 1 <= m <= max_len]
@@ -126,13 +88,8 @@ def rule_edge_lengths(profile: Any, block_size: int, max_len: int) -> list[int]:
 def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
     """Length of a prompt of ``chunks`` whole chunks plus ``tail`` tokens.
 
-    Grown by whole chunks to the hit rule's first hit where the rule expects
-    nothing below a threshold (:func:`at_least_first_hit`).
-
-    Raises:
-        ScenarioError: the prompt is shorter than one chunk (the connector stores
-            nothing for it, so the scenario would prove nothing).
-
+    Grown by whole chunks to the rule's first hit (:func:`at_least_first_hit`);
+    ScenarioError when shorter than one chunk (nothing would be stored).
     """
     c = chunk_tokens(profile, block_size)
     n = chunks * c + tail
@@ -145,13 +102,7 @@ def prompt_len(profile: Any, block_size: int, chunks: int, tail: int) -> int:
 
 
 def at_least_first_hit(profile: Any, block_size: int, n: int) -> int:
-    """``n`` plus the whole chunks that bring it to the rule's first hit.
-
-    A scenario's prompt must be one the connector stores: below the rule's
-    threshold (:func:`first_hit_len`) it would prove nothing, so the prompt
-    grows by whole chunks (its tail, and so its offset from a block boundary,
-    kept) until the rule expects a hit.
-    """
+    """``n`` plus the whole chunks that bring it to the rule's first hit (tail kept)."""
     first = first_hit_len(profile, block_size)
     if first is None or n >= first:
         return n
@@ -160,19 +111,9 @@ def at_least_first_hit(profile: Any, block_size: int, n: int) -> int:
 
 
 def round_trip_len(profile: Any, block_size: int) -> int:
-    """A prompt for a one-prompt round trip: whole chunks plus half a block.
+    """A prompt for a one-prompt round trip: ``max(4 * B, 2 * chunk) + B // 2`` tokens.
 
-    ``max(4 * B, 2 * chunk) + B // 2`` tokens: 4.5 blocks for a per-block store
-    (``connector.granularity`` = B), two whole chunks and a tail for a chunked
-    one, so the replay can hit whatever the chunk.
-
-    Args:
-        profile: the target profile.
-        block_size: B in tokens.
-
-    Returns:
-        the prompt length in tokens.
-
+    Raised to the rule's first hit where needed.
     """
     return at_least_first_hit(profile, block_size, max(
         4 * block_size, 2 * chunk_tokens(profile, block_size)) + block_size // 2)
@@ -182,10 +123,8 @@ def pool_blocks(num_tokens: int, block_size: int, requests: int = 2,
                 minimum: int = 64) -> int:
     """KV blocks for ``requests`` prompts of ``num_tokens`` (+1 decode) at once.
 
-    Returns:
-        ``max(minimum, requests * (ceil((num_tokens + 1) / B) + 1) + 1)``: the
-        +1 per request for its decode block, +1 for vLLM's null block.
-
+    ``max(minimum, requests * (ceil((num_tokens + 1) / B) + 1) + 1)``: +1 per
+    request for its decode block, +1 for vLLM's null block.
     """
     per = -(-(num_tokens + 1) // block_size) + 1
     return max(minimum, requests * per + 1)
@@ -197,15 +136,10 @@ def hit_rule_of(profile: Any) -> tuple[str, str]:
 
 
 def rule_hit(profile: Any, n: int, block_size: int) -> int | None:
-    """Tokens the profile's ``connector.hit_rule`` expects for a stored n-token prompt.
+    """Tokens the profile's hit rule expects for a stored n-token prompt.
 
-    The rule is :meth:`~tvc.config.profile.Profile.select_hit_rule`'s: the
-    ``connector.hit_rules`` entry for the installed vLLM, else
-    ``connector.hit_rule`` (a profile may give either form).
-
-    Returns:
-        the expected external hit from an empty local cache; None without a rule.
-
+    From an empty local cache, by :meth:`~tvc.config.profile.Profile.select_hit_rule`'s
+    rule; None without a rule.
     """
     if not hit_rule_of(profile)[0]:
         return None
@@ -216,9 +150,7 @@ def require_hits(profile: Any, lengths: Iterable[int], block_size: int,
                  max_len: int) -> None:
     """A tier in which every expected hit is 0 is an error, never a pass.
 
-    Raises:
-        ScenarioError: ``vacuous: ...`` naming the chunk and the longest prompt.
-
+    Raises ScenarioError ``vacuous: ...`` naming the chunk and the longest prompt.
     """
     lengths = sorted(set(lengths))
     hits = [rule_hit(profile, n, block_size) for n in lengths]
@@ -233,11 +165,9 @@ def require_hits(profile: Any, lengths: Iterable[int], block_size: int,
 
 
 def scenario_lengths(profile: Any, block_size: int = BLOCK_SIZE) -> dict[str, int]:
-    """The prompt length each scenario uses (whole chunks plus a short tail).
+    """The prompt length (tokens) each scenario uses: whole chunks plus a short tail.
 
-    Raises:
-        ScenarioError: a length is shorter than a chunk, or every hit is 0.
-
+    ScenarioError when a length is shorter than a chunk, or every hit is 0.
     """
     c = chunk_tokens(profile, block_size)
     tail = max(1, block_size // 2 + 1)
@@ -265,13 +195,9 @@ def check_hit(rig: Rig, request: Any, expected_total: int | None, what: str
               ) -> tuple[int, int]:
     """The connector's answer for ``request`` is aligned and equals the rule.
 
-    ``local + matched`` (vLLM's local prefix cache hit plus the connector's
-    match) must equal the profile's rule for the prompt: the connector matches
-    from ``num_computed_tokens`` on, to the same end as from an empty cache.
-
-    Returns:
-        (local, matched).
-
+    ``local + matched`` must equal the rule for the prompt (the connector matches
+    from ``num_computed_tokens`` on, to the same end as from an empty cache).
+    Returns ``(local, matched)`` in tokens; AssertionError otherwise.
     """
     local, matched, is_async = external_hit(rig.driver, request)
     n = request.num_prompt_tokens
@@ -292,16 +218,9 @@ def check_hit(rig: Rig, request: Any, expected_total: int | None, what: str
 def check_every_load(rig: Rig, requests: Sequence[Any], what: str) -> int:
     """Every request that matched external tokens loaded them bit-identically.
 
-    With the real worker: each such request computed (``worker.loaded``) from at
-    least ``min(local + matched, len - 1)`` (or from a block the connector
-    reported as failed), and ``worker.load_errors`` is empty.
-
-    Returns:
-        how many requests loaded (matched > 0).
-
-    Raises:
-        AssertionError: a load did not land, or landed wrong (names the request).
-
+    With the real worker, each computed from at least ``min(local + matched,
+    len - 1)`` (or from a block reported failed). Returns how many requests loaded
+    (matched > 0); the AssertionError names the request.
     """
     w = real_worker(rig)
     n_loaded = 0
@@ -359,10 +278,7 @@ def replay_of(rig: Rig, stored: Any, **kw: Any) -> Any:
 
 
 def cold(rig: Rig) -> None:
-    """Drop vLLM's local prefix cache and zero the worker's KV tensors.
-
-    The next hit must then come from the connector and land in zeroed blocks.
-    """
+    """Drop vLLM's local prefix cache and zero the worker's KV tensors."""
     rig.forget_local_cache()
     w = real_worker(rig)
     if w is not None:
@@ -374,10 +290,8 @@ def shared_prefixes(make_rig: MakeRig, profile: Any, together: bool
                     ) -> dict[str, Any]:
     """Several requests sharing a prefix, admitted in one step or staggered.
 
-    1. store three prompts that share two chunks and differ after them;
-    2. drop vLLM's local cache and zero the KV;
-    3. replay all three in ONE step (``together``) or one per step (staggered);
-       every request that loads must get exactly its own KV.
+    Stores three prompts sharing two chunks, goes :func:`cold`, replays all three
+    together or one per step; each load must get exactly its own KV.
     """
     rig = make_rig(block_size=BLOCK_SIZE)
     b, c = rig.block_size, chunk_tokens(profile, rig.block_size)
@@ -421,25 +335,11 @@ def shared_prefixes(make_rig: MakeRig, profile: Any, together: bool
 def fault_point(rig: Rig, request: Any) -> dict[str, Any]:
     """Where ``request`` stands with the connector, for a store fault injected now.
 
-    Called between ``schedule()`` and the worker step (the driver's
-    ``before_worker`` hook). A store fault belongs after the connector's lookup
-    answered (the scheduler planned a load on the entries) and before the
-    worker's load of them, wherever the connector's shape puts that load: a
-    synchronous load in the step that schedules the request, an asynchronous one
-    in the admission step or later (never at a fixed step).
-
-    Args:
-        rig: the rig.
-        request: the request whose entries are to be damaged.
-
-    Returns:
-        ``{}`` while the connector has not answered a lookup for the request
-        (not yet: inject later); else ``{"state": sentence, "done": bool}``:
-        what the connector has done (matched N tokens, load asynchronous or
-        not), and whether its load already completed (the worker verified the
-        request's computed tokens or it was reported in ``finished_recving``),
-        in which case the fault cannot be judged.
-
+    Called from the driver's ``before_worker`` hook: a store fault belongs after the
+    lookup answered and before the worker's load (sync: the scheduling step; async:
+    the admission step or later). Returns ``{}`` while no lookup was answered
+    (inject later), else ``{"state": sentence, "done": bool}``; ``done``: the load
+    already completed, so the fault cannot be judged.
     """
     answers = [a for a in rig.driver.matched.get(request.request_id, ())
                if a[1] is not None]
@@ -468,16 +368,7 @@ WRITE_META_ENTRIES = 2
 
 
 def kv_bytes_per_block(rig: Rig) -> int:
-    """Bytes of one KV block over every layer (``KVCacheSpec.page_size_bytes``).
-
-    Args:
-        rig: the rig (its ``kv_cache_config``: one group per attention kind).
-
-    Returns:
-        the sum over the KV cache groups of ``page_size_bytes`` times the
-        group's layers: what one block of one request holds in vLLM's cache.
-
-    """
+    """Bytes of one KV block, all layers (``page_size_bytes`` x layers, per group)."""
     return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
                for g in rig.kv_cache_config.kv_cache_groups)
 
@@ -489,10 +380,7 @@ IDLE_STEPS = 4  # EngineDriver.run_until_idle's empty steps after the last reque
 def stored_then_served(profile: Any, rig: Rig) -> tuple[Any, Any, int]:
     """Store a prompt, drop vLLM's local cache, replay it: (stored, replay, hit).
 
-    Raises:
-        AssertionError: ``scenario did not happen``: the replay got no external
-            hit (nothing would have been stored, loaded or reported).
-
+    AssertionError ``scenario did not happen`` when the replay got no external hit.
     """
     n = scenario_lengths(profile, rig.block_size)["single"]
     stored = store(rig, n)
@@ -507,22 +395,17 @@ def stored_then_served(profile: Any, rig: Rig) -> tuple[Any, Any, int]:
 
 
 def overrides(rig: Rig, *names: str) -> list[str]:
-    """Which of ``names`` (``KVConnectorBase_V1`` methods) the connector overrides.
-
-    Either side's connector class counts (they are the same class).
-    """
+    """Which ``KVConnectorBase_V1`` methods of ``names`` the connector overrides."""
     from tvc.contract.coverage import overridden
 
     mine = overridden(type(rig.scheduler.connector))
     return [n for n in names if f"api:KVConnectorBase_V1.{n}" in mine]
 
 
-#: Model B of :func:`another_model_on_one_store`, as ``make_rig`` arguments over
-#: model A (the tiny Llama: 2 KV heads, head size 64, float16, KV cache ``auto``),
-#: with what differs, what a key that ignores it ignores, and the coverage entry.
-#: ``dtype`` and ``cache_dtype`` keep the same checkpoint (``ModelConfig.model``)
-#: and the same KV shape: only the bytes differ, so a store that keys by the
-#: model and the shape alone serves them (a raw-byte store loads them as they are).
+#: Model B of ``another_model_on_one_store`` over model A (tiny Llama: 2 KV heads,
+#: head size 64, float16, KV cache ``auto``): ``make_rig`` arguments, what differs,
+#: what a key that ignores it ignores, the coverage entry. ``dtype`` and
+#: ``cache_dtype`` keep the checkpoint and KV shape: only the bytes differ.
 OTHER_MODEL: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "same_shape": ({"model_name": "tiny-llama-other"},
                    "another model of the same shape (other weights, other KV)",
@@ -565,8 +448,7 @@ HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
 def close_rig(rig: Rig) -> None:
     """Shut a rig's worker down (its KV tensors, vLLM's distributed state).
 
-    The scheduler-side connector is left to the fixture's teardown; the next
-    rig of the same test then builds its own worker.
+    The scheduler-side connector is left to the fixture's teardown.
     """
     closer = getattr(rig.worker, "close", None)
     if callable(closer):
@@ -582,9 +464,8 @@ SKIP_READING = {
 def kv_cache_layouts() -> set[str]:
     """The KV cache layout names the installed vLLM defines.
 
-    ``KVCacheLayoutType`` (``Literal["NHD", "HND"]``,
-    ``vllm/v1/attention/backends/utils.py``, 0.28) and the members of
-    ``vllm.v1.kv_cache_layout.KVCacheLayout`` (0.33: ``LBHNC``...), where present.
+    ``KVCacheLayoutType`` (``vllm/v1/attention/backends/utils.py``, 0.28) and
+    ``vllm.v1.kv_cache_layout.KVCacheLayout`` members (0.33), where present.
     """
     import importlib
     import typing

@@ -1,30 +1,13 @@
 """Worker harness at tensor parallelism N: one process per rank, vLLM's TP groups.
 
-vLLM runs one worker process per TP rank; each allocates the KV caches of its share
-of the KV heads (``ModelConfig.get_num_kv_heads(parallel_config)`` =
-``num_kv_heads // tensor_parallel_size``, at least 1), creates the connector's
-worker side and runs every step; the executor gathers the per-rank
-``ModelRunnerOutput`` and merges the ``kv_connector_output`` with
-``KVOutputAggregator`` (``vllm/distributed/kv_transfer/kv_connector/utils.py``,
-created from the scheduler-side connector by
-``Executor.init_kv_output_aggregator``) before the scheduler sees it: a request is
-finished sending / receiving only when every rank (or ``get_finished_count()``
-ranks) reported it, ``invalid_block_ids`` are the union, worker metadata is merged
-with ``KVConnectorWorkerMetadata.aggregate``.
-
-This module does the same around vLLM's real ``Scheduler``:
-
-* :class:`TPWorkerGroup` spawns N rank processes (``multiprocessing`` spawn); each
-  enters :func:`tvc.contract.distributed.vllm_distributed` (gloo on CPU, NCCL on
-  CUDA), builds a :class:`TPRankWorker` (the connector's real worker side on its
-  own KV caches) and serves steps over a pipe. ``execute`` has the interface of
-  :class:`tvc.contract.worker.ConnectorWorker`, so
-  :class:`tvc.contract.driver.EngineDriver` drives the group unchanged.
-* The fake attention writes each rank's share of ONE model-wide pattern: rank r's
-  heads are the global KV heads ``[r * H // N, r * H // N + H_r)``, so a rank that
-  loads another rank's KV, or only part of its own heads, differs bit for bit.
-* :func:`run_tp` runs requests and names the rank when the ranks disagree about
-  finished transfers.
+As in vLLM, each rank holds ``num_kv_heads // tensor_parallel_size`` (at least 1)
+KV heads (``ModelConfig.get_num_kv_heads``) and runs the connector's worker side;
+the per-rank outputs are merged by vLLM's ``KVOutputAggregator``
+(``vllm/distributed/kv_transfer/kv_connector/utils.py``,
+``Executor.init_kv_output_aggregator``). :class:`TPWorkerGroup` spawns the ranks
+and serves steps like a :class:`tvc.contract.worker.ConnectorWorker`; each rank
+writes its heads' share of one model-wide pattern (:func:`tp_pattern_values`);
+:func:`run_tp` names the rank when ranks disagree about finished transfers.
 """
 
 from __future__ import annotations
@@ -75,7 +58,7 @@ def port_taken(error: str) -> bool:
     """Whether a rank's start failed because its rendezvous port was taken.
 
     torch.distributed's TCPStore says ``EADDRINUSE`` / "address already in use"
-    (DistNetworkError): an environment race on a busy box, not the connector's.
+    (DistNetworkError): a race on a busy box, not the connector's fault.
     """
     return "EADDRINUSE" in error or "address already in use" in error.lower()
 
@@ -85,11 +68,7 @@ class TPHarnessError(RuntimeError):
 
 
 def declared_tp_sizes(profile: Profile) -> list[int]:
-    """The profile's ``[vllm] tensor_parallel_sizes`` (default ``[1]``).
-
-    Read with a default so that a profile schema without the key (before the
-    profiles change lands) means "TP 1 only".
-    """
+    """The profile's ``[vllm] tensor_parallel_sizes`` (default ``[1]``)."""
     return [int(x) for x in profile["vllm"].get("tensor_parallel_sizes", [1])]
 
 
@@ -101,14 +80,9 @@ def declared_pp_sizes(profile: Profile) -> list[int]:
 def rank_head_range(rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
     """Global KV heads ``[first, first + count)`` held by ``rank``.
 
-    vLLM splits KV heads evenly over TP ranks; with fewer KV heads than ranks each
-    head is replicated (``ModelConfig.get_num_kv_heads``: ``max(1, H // tp)``) and
-    rank r holds head ``r * H // tp``.
-
-    Raises:
-        ValueError: ``total_kv_heads`` is neither divisible by ``tp_size`` nor a
-            divisor of it (vLLM rejects such a model too).
-
+    With fewer KV heads than ranks each head is replicated
+    (``ModelConfig.get_num_kv_heads``: ``max(1, H // tp)``). ValueError when
+    ``total_kv_heads`` neither divides nor is divisible by ``tp_size`` (as vLLM).
     """
     if total_kv_heads % tp_size and tp_size % total_kv_heads:
         raise ValueError(f"{total_kv_heads} KV heads cannot be split over "
@@ -118,25 +92,12 @@ def rank_head_range(rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, 
 
 def tp_pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any,
                       rank: int, tp_size: int, total_kv_heads: int) -> Any:
-    """Rank ``rank``'s share of the model-wide KV pattern.
+    """Rank ``rank``'s heads' slice of the model-wide KV pattern.
 
-    The model-wide pattern is :func:`tvc.contract.worker.pattern_values` of a
-    cache with all ``total_kv_heads`` heads; this returns its slice of the rank's
-    heads (:func:`rank_head_range`), so the union over ranks is the TP = 1 pattern.
-
-    Args:
-        kv: the rank's layer tensor (dtype, device, layout).
-        layer_idx: layer index.
-        positions: long tensor ``(n,)``.
-        tokens: long tensor ``(n,)``.
-        rank: TP rank.
-        tp_size: TP size.
-        total_kv_heads: the model's ``num_key_value_heads``.
-
-    Returns:
-        tensor shaped like :func:`tvc.contract.worker.token_view` of ``kv`` for
-        ``n`` tokens.
-
+    The union over ranks is the TP = 1 :func:`tvc.contract.worker.pattern_values`.
+    ``kv`` is the rank's layer tensor; ``positions`` and ``tokens`` are long tensors
+    ``(n,)``. Returns a tensor shaped like
+    :func:`tvc.contract.worker.token_view` of ``kv`` for ``n`` tokens.
     """
     import torch
 
@@ -162,9 +123,6 @@ class TPRankWorker(ConnectorWorker):
     """:class:`ConnectorWorker` of one TP rank (its heads' share of the pattern).
 
     Attributes:
-        rank: TP rank.
-        tp_size: TP size.
-        total_kv_heads: the model's KV heads.
         fault: a harness-side rank-local fault from :data:`RANK_FAULTS` or ''.
         injected_invalid: block ids this rank reported through ``fault``.
 
@@ -242,13 +200,9 @@ def _rank_main(rank: int, tp_size: int, backend: str, init_method: str,
                conn: Any) -> None:
     """Body of one rank process: set up, then answer commands until 'stop'.
 
-    Sets ``vllm_config.parallel_config.rank`` to the rank first, as vLLM's
-    ``WorkerBase.__init__`` does for every worker (``vllm/v1/worker/
-    worker_base.py``, 0.28 and 0.33): a connector may name its files or
-    its share of the store by it. Under pipeline parallelism the rank's KV
-    cache config then holds its stage's layers only (vLLM builds one per
-    worker; the scheduler's is the first worker's,
-    ``generate_scheduler_kv_cache_config``).
+    Sets ``parallel_config.rank`` first, as ``WorkerBase.__init__`` does
+    (``vllm/v1/worker/worker_base.py``, 0.28, 0.33); under PP the rank's KV cache
+    config holds its stage's layers only (``generate_scheduler_kv_cache_config``).
     """
     try:
         pc = vllm_config.parallel_config
@@ -316,28 +270,17 @@ def _serve(worker: TPRankWorker, conn: Any) -> None:
 class TPWorkerGroup:
     """N rank processes driven as one worker (the executor's view).
 
-    Args:
-        vllm_config: with ``parallel_config.tensor_parallel_size`` = N.
-        kv_cache_config: per-rank ``KVCacheConfig`` (its spec has the per-rank
-            head count).
-        device: ``cpu`` or ``cuda`` (rank r uses ``cuda:r``).
-        scheduler_connector: the scheduler-side connector (for
-            ``KVOutputAggregator.from_connector``; its ``get_finished_count``).
-        backend: ``gloo`` or ``nccl``; default ``nccl`` on CUDA, else ``gloo``.
-        rank_faults: rank -> harness-side fault (:data:`RANK_FAULTS`).
+    ``kv_cache_config`` is per rank; on ``cuda`` rank r uses ``cuda:r``; the
+    ``scheduler_connector`` feeds ``KVOutputAggregator.from_connector`` (its
+    ``get_finished_count``); ``backend`` defaults to ``nccl`` on CUDA, else ``gloo``.
+    Raises TPHarnessError (with the rank's traceback) when a rank fails to start.
 
     Attributes:
-        tp_size: N.
-        load_errors: every rank's load verification failures (rank named).
         loaded: request id -> first computed token when first scheduled (rank 0;
             every rank must agree).
-        block_table: request id -> block ids (rank 0's view).
         rank_outputs: per step, the N per-rank ``KVConnectorOutput``.
         aggregated: per step, the merged ``KVConnectorOutput`` the scheduler saw.
         finished_by_rank: {"sending"|"recving": {rank: set of request ids}}.
-
-    Raises:
-        TPHarnessError: a rank failed to start (its traceback in the message).
 
     """
 
@@ -460,9 +403,8 @@ class TPWorkerGroup:
     def execute(self, so: Any, meta: Any) -> Any:
         """Run one step on every rank; return the merged ``KVConnectorOutput``.
 
-        Each rank gets the scheduler output and the connector metadata pickled
-        (as vLLM's ``MessageQueue`` broadcast does); the per-rank outputs are
-        merged by vLLM's own ``KVOutputAggregator``.
+        Inputs go to the ranks pickled (as ``MessageQueue`` broadcast does); outputs are
+        merged by vLLM's ``KVOutputAggregator``.
         """
         from tvc.contract import compat
 
@@ -502,12 +444,7 @@ class TPWorkerGroup:
         return next((m for m in self._all("stray", req_id) if m), "")
 
     def merge_coverage(self, log: Any) -> None:
-        """Add every rank's recorded connector calls to ``log`` (rank named).
-
-        Args:
-            log: the rig's :class:`tvc.contract.coverage.CoverageLog`.
-
-        """
+        """Add every rank's recorded connector calls to ``log`` (a CoverageLog)."""
         for r, hits in enumerate(self._all("coverage")):
             for key, notes in hits.items():
                 log.hit(key, f"rank {r}: {notes[0]}" if notes else f"rank {r}")
@@ -520,13 +457,9 @@ class TPWorkerGroup:
 def assert_ranks_agree_on_finished(group: TPWorkerGroup) -> None:
     """Every request finished on one rank was reported by the expected ranks.
 
-    vLLM's ``KVOutputAggregator`` tells the scheduler a request finished sending /
-    receiving only when ``get_finished_count()`` (default: every) rank reported
-    it; a rank that never does keeps the request's blocks held forever.
-
-    Raises:
-        AssertionError: names the request, the direction and the silent ranks.
-
+    ``KVOutputAggregator`` reports a finished transfer only once
+    ``get_finished_count()`` (default: all) ranks did; otherwise blocks stay held.
+    The AssertionError names the request, the direction and the silent ranks.
     """
     expected = group.aggregator._expected_finished_count  # noqa: SLF001 - vLLM's count
     for kind, by_rank in group.finished_by_rank.items():
@@ -548,10 +481,7 @@ def assert_ranks_agree_on_finished(group: TPWorkerGroup) -> None:
 def run_tp(driver: EngineDriver, group: TPWorkerGroup, *requests: Any) -> None:
     """``driver.run(*requests)``; a hang caused by a silent rank names that rank.
 
-    Raises:
-        AssertionError: from the driver, or from
-            :func:`assert_ranks_agree_on_finished` when the ranks disagree.
-
+    :func:`assert_ranks_agree_on_finished` runs after the driver, also when it failed.
     """
     try:
         driver.run(*requests)
@@ -588,14 +518,13 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
                 num_blocks: int = DEFAULT_NUM_BLOCKS,
                 rank_faults: dict[int, str] | None = None,
                 **config_kw: Any) -> TPRig:
-    """Build a :class:`TPRig`: TP config, scheduler, N rank processes, driver.
+    """Build a :class:`TPRig`: TP config, scheduler, N x S rank processes, driver.
 
     Args:
         profile: the target profile.
         scratch: suite-owned directory.
-        tp_size: tensor-parallel size N (``num_kv_heads`` must split over it).
-        pp_size: pipeline stages S (the model's layers split over them); the
-            rig runs N x S rank processes.
+        tp_size: N (``num_kv_heads`` must split over it).
+        pp_size: pipeline stages S (the model's layers split over them).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL, rank r on ``cuda:r``).
         backend: override of the torch.distributed backend.
         num_blocks: KV blocks per rank's pool.
@@ -603,7 +532,7 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
         **config_kw: passed to :func:`tvc.contract.builders.make_vllm_config`.
 
     Returns:
-        the rig; call :meth:`TPRig.close` when done.
+        the rig; the caller must call :meth:`TPRig.close`.
 
     Raises:
         TPHarnessError: a rank failed to start.
@@ -626,11 +555,9 @@ def make_tp_rig(profile: Profile, scratch: Path, *, tp_size: int = 2,
 def note_tp_rig(rig: TPRig) -> Any:
     """Record on the rig's coverage log what its ranks exercised; return the log.
 
-    The settings and layer kinds of the TP config, and
-    ``KVConnectorWorkerMetadata.aggregate`` where two or more ranks returned
-    worker metadata in one step (vLLM's ``KVOutputAggregator`` merged them).
-    The ranks' own connector calls are recorded in their processes and added
-    by :meth:`TPRig.close` (:meth:`TPWorkerGroup.merge_coverage`).
+    Includes ``KVConnectorWorkerMetadata.aggregate`` where two or more ranks returned
+    worker metadata in one step; the ranks' own calls are added by
+    :meth:`TPRig.close`.
     """
     log = rig.driver.coverage
     log.note_config(rig.vllm_config)

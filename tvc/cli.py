@@ -1,21 +1,8 @@
 """The ``tvc`` command: certify a profile, re-render a run's page, merge run folders.
 
-``tvc certify PROFILE [pytest args]``
-    every tier in one strict pytest run, one run folder, a verdict line
-    (``CERTIFIED``, ``PASSED a selection ... not certified``, ``NOT certified``);
-    exits with pytest's status (2: usage error, 4: bad profile).
-``tvc summary RUN_DIR``
-    re-renders ``summary.md``/``summary.html`` from ``summary.json`` and prints the
-    verdict and counts; exits 0 for ``PASS``, 1 otherwise, 2 for a bad folder.
-``tvc merge RUN_DIR... --out DIR``
-    one fleet summary and one JUnit file from run folders of many hosts
-    (:mod:`tvc.plugin.fleet`); exits 0 when every run passed, 1 otherwise, 2 for a
-    bad folder.
-``tvc verify RUN_DIR``
-    accepts (0) or refuses (1) a certify run's ``certification.json``
-    (:mod:`tvc.report.certification`); 2 when the folder holds none.
-
-Documented in ``docs/cli.md``. Importing this module is cheap (argparse only):
+Sub-commands ``certify`` (:func:`certify`), ``summary`` (:func:`summary_cmd`),
+``merge`` (:func:`merge_cmd`) and ``verify`` (:func:`verify_cmd`); their options and
+exit statuses are in docs/cli.md. Importing this module is cheap (argparse only):
 each command imports what it needs.
 """
 
@@ -39,20 +26,11 @@ TIER_ORDER = ("level1", "level2", "contract", "real_nvme", "e2e", "bandwidth",
 def default_workers(cpus: int | None = None) -> int:
     """Number of xdist workers of a certification when ``CERTIFY_WORKERS`` is not set.
 
-    Three GPU lanes (the tests that start servers, daemons or stores;
-    :func:`tvc.plugin.run_control.gpu_lane`) plus ``cpus // 4`` others, at
-    least 3 and at most 10: 6 on a 2-core box, 7 on the 16-core H200 host. On
-    the H200 (2026-12-04) six other workers finished the CPU tiers at 81 s while
-    the GPU lanes ran to 148 s, their twelve concurrent server starts slowed
-    from 30 s to 63 s by the CPU the other workers took; three other workers
-    (2026-12-02) left the contract tier unfinished at 280 s.
-
-    Args:
-        cpus: CPU cores (default ``os.cpu_count()``).
-
-    Returns:
-        the number of xdist workers (>= 5).
-
+    Three GPU lanes (:func:`tvc.plugin.run_control.gpu_lane`) plus ``cpus // 4``
+    others (3 to 10; ``cpus`` default ``os.cpu_count()``). On the H200, six others
+    finished the CPU tiers at 81 s while their CPU use slowed the lanes' server
+    starts from 30 s to 63 s (2026-12-04); three others left the contract tier
+    unfinished at 280 s (2026-12-02).
     """
     cpus = cpus if cpus is not None else (os.cpu_count() or 1)
     return 3 + min(10, max(3, cpus // 4))
@@ -65,10 +43,9 @@ def _err(prefix: str, text: str) -> None:
 # ------------------------------------------------------------------- certify
 
 def strict_levels(profile: Any) -> list[str]:
-    """The ``--tvc-require`` levels a certification of ``profile`` uses.
+    """The ``--tvc-require`` levels of a certification (``claimed_levels``).
 
-    :func:`tvc.report.certification.claimed_levels`: missing hardware then
-    fails instead of skipping.
+    See :func:`tvc.report.certification.claimed_levels`.
     """
     from tvc.report.certification import claimed_levels
 
@@ -76,15 +53,10 @@ def strict_levels(profile: Any) -> list[str]:
 
 
 def missing_modules(profile: Any) -> list[str]:
-    """Modules the profile's connector needs that this Python cannot find.
+    """Modules the profile's connector needs that this Python cannot find, in order.
 
-    The top package of ``connector.module_path`` and each of ``[imports]
-    modules`` (e.g. ``lmcache`` for vLLM's in-tree LMCache connectors), looked up
-    with :func:`importlib.util.find_spec`: nothing is imported.
-
-    Returns:
-        the names not found, in the profile's order.
-
+    The top package of ``connector.module_path`` and each of ``[imports] modules``,
+    looked up with :func:`importlib.util.find_spec` (nothing is imported).
     """
     import importlib.util
 
@@ -103,12 +75,10 @@ def missing_modules(profile: Any) -> list[str]:
 
 
 def find_root(given: str | None) -> Path | None:
-    """The folder holding the suite's ``suites/``.
+    """The folder holding the suite's ``suites/``, or None when ``given`` holds none.
 
-    ``--root``; else the current folder when it is a checkout of the suite
-    (``suites/`` and ``tvc/data/markers.ini``); else the suite ``tvc`` was
-    imported from: its checkout, or the installed package (``tvc/suites``).
-    None when the folder given holds no ``suites/``.
+    ``--root``; else the current folder when it is a checkout of the suite; else the
+    suite ``tvc`` was imported from (checkout or installed package).
     """
     if given:
         root = Path(given).resolve()
@@ -129,9 +99,7 @@ def is_checkout(root: Path) -> bool:
 def reports_dir(root: Path, env: dict[str, str]) -> Path:
     """Where a certification's run folder goes (never into an installed package).
 
-    ``$TVC_REPORTS_ROOT``; ``<root>/reports`` for a run started inside a
-    checkout; else ``./reports`` of the current folder
-    (:func:`tvc.config.paths.reports_root`'s rule).
+    ``$TVC_REPORTS_ROOT``, else :func:`tvc.config.paths.reports_root`'s rule.
     """
     if env.get("TVC_REPORTS_ROOT"):
         return Path(env["TVC_REPORTS_ROOT"]).expanduser().resolve()
@@ -152,17 +120,10 @@ def tier_paths(root: Path) -> list[str]:
 
 
 def pytest_target(root: Path) -> tuple[Path, list[str], list[str]]:
-    """Where a pytest run over the suite at ``root`` starts, its tiers, its options.
+    """(start folder, tier paths, extra pytest options) of a run over ``root``'s suite.
 
-    In a checkout pytest starts there (its ``pyproject.toml`` applies) on
-    ``suites/<tier>``. Installed, it starts where the user stands (never in
-    site-packages, whose folders would shadow modules) on the package's tests,
-    with ``--rootdir`` at the package so node ids read ``suites/<tier>/...`` as
-    in a checkout, and the JUnit family that keeps test properties.
-
-    Returns:
-        (folder to start in, tier paths, extra pytest options).
-
+    Installed, it starts in the current folder (site-packages would shadow modules)
+    with ``--rootdir`` at the package, so node ids read ``suites/<tier>/...``.
     """
     tiers = tier_paths(root)
     if is_checkout(root):
@@ -174,10 +135,8 @@ def pytest_target(root: Path) -> tuple[Path, list[str], list[str]]:
 class CertificationSet:
     """The collection of every test ``tvc certify PROFILE`` runs, started now.
 
-    Collected in a process of its own (:mod:`tvc.plugin.certset`). ``certify``
-    starts it beside the run instead of after it: collecting imports vLLM, 9 s
-    of the H200 host's 206 s ``example`` certification after the last test
-    (2026-12-05).
+    Runs beside the certification (:mod:`tvc.plugin.certset`): collecting imports vLLM,
+    9 s of the H200 host's 206 s ``example`` certification (2026-12-05).
     """
 
     def __init__(self, root: Path, profile: str, env: dict[str, str] | None = None
@@ -198,10 +157,8 @@ class CertificationSet:
     def result(self, timeout_s: float = 600) -> dict[str, str]:
         """Wait for the collection: node id -> hardware level.
 
-        Raises:
-            RuntimeError: the collection failed or took over ``timeout_s`` (its
-                output's tail is in the message).
-
+        Raises RuntimeError when it failed or took over ``timeout_s`` (output tail in
+        the message).
         """
         import json
         import subprocess
@@ -236,9 +193,7 @@ def certification_set(root: Path, profile: str, env: dict[str, str] | None = Non
                       ) -> dict[str, str]:
     """Every test ``tvc certify PROFILE`` collects, with its hardware level.
 
-    Raises:
-        RuntimeError: the collection failed (its output's tail is in the message).
-
+    Raises RuntimeError when the collection failed (its output's tail in the message).
     """
     return CertificationSet(root, profile, env).result()
 
@@ -257,15 +212,9 @@ def suite_info(root: Path) -> dict[str, str]:
 
 
 def narrowed_by(summary: dict[str, Any]) -> str:
-    """What pytest selected away in a run (``-k``, ``-m``, deselected tests).
+    """What pytest selected away: ``-k 'test_x', 12 test(s) deselected`` or ''.
 
-    The suite's own deselection of device variants the connector cannot run
-    (a ``why`` starting ``[``, e.g. ``[cpu] worker variants: ...``) is not a
-    user's selection.
-
-    Returns:
-        e.g. ``-k 'test_x', 12 test(s) deselected``; ``""`` for a full run.
-
+    The suite's own device-variant deselection (a ``why`` starting ``[``) is not one.
     """
     run = summary.get("run") or {}
     why = [f"-k {run['keyword']!r}"] if run.get("keyword") else []
@@ -296,11 +245,7 @@ def selects(pytest_args: Sequence[str]) -> bool:
 
 
 def certify_verdict(rc: int, partial: Sequence[str], known: int) -> str:
-    """The verdict of a certification run.
-
-    ``CERTIFIED``, ``PASSED a selection (...) ..., not certified`` or ``NOT
-    certified``; ``known`` known defects accepted are named.
-    """
+    """The verdict: ``CERTIFIED``, ``PASSED a selection ...`` or ``NOT certified``."""
     accepted = (f" with {known} known defect(s) the profile accepts "
                 "([[known_failures]], listed above)" if known else "")
     if rc != 0:
@@ -315,24 +260,18 @@ def certify(profile: str, pytest_args: Sequence[str], root_arg: str | None = Non
     """Certify one profile: every tier, strict mode, one run folder.
 
     Args:
-        profile: a built-in profile name or a TOML path (relative to the
-            current folder).
-        pytest_args: passed to pytest as they are (``-k``, ``-x``,
-            ``--tvc-trace-size=large``...).
+        profile: a built-in profile name or a TOML path (relative to the cwd).
+        pytest_args: passed to pytest as they are.
         root_arg: the folder holding ``suites/`` (default: :func:`find_root`).
-        env: the environment (default ``os.environ``): ``CERTIFY_WORKERS``
-            (xdist workers, default :func:`default_workers`, 0 = none),
-            ``TVC_REPORTS_ROOT`` (where the run folder goes, default
-            :func:`reports_dir`), ``CERTIFY_DRY_RUN=1`` (as ``dry_run``),
-            ``CERTIFY_HW_CHECK=0`` (run a full certification even where the
-            box lacks hardware it needs).
+        env: default ``os.environ``; reads ``CERTIFY_WORKERS`` (0 = no xdist),
+            ``TVC_REPORTS_ROOT``, ``CERTIFY_DRY_RUN=1``, ``CERTIFY_HW_CHECK=0`` (run
+            even where the box lacks hardware it needs); see docs/cli.md.
         dry_run: print the plan (pytest command, folder, run folder) only.
 
     Returns:
-        pytest's exit status (0 = certified, or passed a selection); 1 before
-        any test when a full certification needs hardware this box lacks
-        (:func:`strict_levels`, :func:`tvc.env.hardware.probe`); 2 for a
-        usage error, 4 for a bad profile.
+        pytest's exit status (0 = certified, or passed a selection); 1 before any
+        test when the box lacks hardware a full certification needs; 2 for a usage
+        error, 4 for a bad profile.
 
     """
     import shlex
@@ -485,19 +424,8 @@ def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
                         collecting: CertificationSet | None = None) -> list[str]:
     """Write the run's ``certification.json``; return why it does not hold.
 
-    Args:
-        run_dir: the certify run's folder (with ``summary.json``).
-        root: the folder holding ``suites/``.
-        profile: the profile as given to pytest.
-        prof: the loaded profile.
-        env: the run's environment.
-        collecting: the certification set's collection, started beside the
-            run (collected now when None).
-
-    Returns:
-        the certification's problems ([] when certified); a collection that
-        failed is one.
-
+    ``collecting`` is the certification set's collection started beside the run
+    (collected now when None); a failed collection is a problem.
     """
     import json
 
@@ -527,10 +455,8 @@ def write_certification(run_dir: Path, root: Path, profile: str, prof: Any,
 def summary_cmd(run_dir: str) -> int:
     """``tvc summary RUN_DIR``: re-render the page, print the verdict and counts.
 
-    Returns:
-        0 for ``PASS``, 1 for any other verdict, 2 for a folder that is not a
-        run folder (one line naming the file and the key).
-
+    Exits 0 for ``PASS``, 1 for any other verdict, 2 for a folder that is not a run
+    folder (one line naming the file and the key).
     """
     from tvc.core.files import LinkInTheWay
     from tvc.plugin.report import RunFolderError, read_summary
@@ -580,10 +506,8 @@ def summary_cmd(run_dir: str) -> int:
 def merge_cmd(run_dirs: Sequence[str], out: str) -> int:
     """``tvc merge RUN_DIR... --out DIR``: one fleet summary and one JUnit file.
 
-    Returns:
-        0 when every run passed, 1 when one did not, 2 for a bad input or
-        output folder (one line naming the file and the key).
-
+    Exits 0 when every run passed, 1 when one did not, 2 for a bad input or output
+    folder (one line naming the file and the key).
     """
     from tvc.plugin.fleet import merge
     from tvc.plugin.report import RunFolderError
@@ -617,15 +541,10 @@ def verify_cmd(run_dir: str, root_arg: str | None = None,
                profile_arg: str | None = None) -> int:
     """``tvc verify RUN_DIR``: accept or refuse a certify run's certification.
 
-    Checks ``certification.json`` (:mod:`tvc.report.certification`): its digest,
-    the ``summary.json`` and ``junit.xml`` beside it, the suite's tests and the
-    profile it names (loaded again: ``--profile``, else its file, else its
-    name), and every test of the certification set, collected again here.
-
-    Returns:
-        0 accepted, 1 refused (each reason printed), 2 not a certification or a
-        profile or suite that cannot be read (one line).
-
+    Checks ``certification.json`` (:mod:`tvc.report.certification`) against the files
+    beside it, the suite's tests, the profile and a fresh collection of the set. Exits
+    0 accepted, 1 refused (each reason printed), 2 when the certification, profile or
+    suite cannot be read (one line).
     """
     import json
 
@@ -734,12 +653,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tvc`` console script.
-
-    Returns:
-        the exit status (see each command).
-
-    """
+    """Entry point of the ``tvc`` console script; returns the exit status."""
     args = parser().parse_args(argv)
     if args.command == "certify":
         rest = [a for a in args.pytest_args if a != "--dry-run"]

@@ -1,14 +1,10 @@
 """Plain-language causes for connector error messages the suite has seen.
 
-A connector's worker or a vLLM server dies with a message that names an internal
-step (often not in English). :func:`explain` maps the messages whose cause is
-known to one sentence saying what is wrong and what to do; the worker harness
-(:class:`tvc.contract.worker.ConnectorWorker`) and the server owner
-(:mod:`tvc.procs.vllm_server`) put that sentence in front of the original message.
-
-Each entry cites where the message comes from. The Tutti entries come from the
-public connector (xPU-IO/Tutti ``integration/vllm-connector`` at 33a8fb8) as
-rebuilt and run on CPU; file:line are upstream's.
+:func:`explain` maps a known message to one sentence (what is wrong, what to do);
+the worker harness and :mod:`tvc.procs.vllm_server` put it before the original.
+Each entry of :data:`KNOWN_ERRORS` cites where the message comes from. The Tutti
+entries come from the public connector (xPU-IO/Tutti ``integration/vllm-connector``
+at 33a8fb8) as rebuilt and run on CPU; file:line are upstream's.
 """
 
 from __future__ import annotations
@@ -25,16 +21,10 @@ _SHAPE = re.compile(r"shape=\((\d+), (\d+), (\d+), (\d+)\)")
 
 
 def read_rank4_shape(message: str, block_size: int | None = None) -> str:
-    """Say which 4-D tensor a ``shape=(a, b, c, d)`` in a message is.
+    """Say which 4-D tensor a ``shape=(a, b, c, d)`` in a message is ('' if none).
 
-    vLLM's per-layer tensor is ``(N, H, B, 2*D)``; a layer slice of the
-    cross-layer tensor is ``(N, B, H, 2*D)``. Told apart by where the block
-    size sits: ``block_size`` when given, else the axis holding a power of two
-    of at least 16 (vLLM's block sizes) while the other does not.
-
-    Returns:
-        a clause for the hint, or ``""`` when the message has no such shape.
-
+    Per-layer is ``(N, H, B, 2*D)``, a cross-layer slice ``(N, B, H, 2*D)``; told
+    apart by the block size's axis (``block_size``, else the one power of two >= 16).
     """
     m = _SHAPE.search(message)
     if not m:
@@ -157,15 +147,10 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str | Callable[[str], str]], ...] = (
 def explain(text: str | BaseException,
             table: Iterable[tuple[re.Pattern[str], str | Callable[[str], str]]]
             = KNOWN_ERRORS) -> list[str]:
-    """Known causes found in an error message or a log.
-
-    Args:
-        text: the message, a log text, or an exception (its ``str`` and the
-            messages of its ``__cause__`` / ``__context__`` chain).
-        table: (regex, cause) pairs; default :data:`KNOWN_ERRORS`.
+    """Known causes in a message, a log, or an exception (with its cause/context chain).
 
     Returns:
-        the causes whose regex occurs, in table order, without repeats.
+        the causes of ``table`` whose regex occurs, in table order, without repeats.
 
     """
     if isinstance(text, BaseException):
@@ -190,17 +175,12 @@ def hint_prefix(text: str | BaseException) -> str:
 def describe_failure(exc: AssertionError) -> str:
     """An assertion's message, or where it was raised when it has none.
 
-    A bare ``assert`` inside the connector or vLLM (e.g. OffloadingConnector's
-    ``assert len(offload_keys) == len(offload_block_ids)``) carries no message; the
-    report then names the innermost frame and its source line instead of an empty
-    string.
-
-    Args:
-        exc: the assertion error caught around a scenario.
+    A bare ``assert`` in the connector or vLLM (e.g. OffloadingConnector's ``assert
+    len(offload_keys) == len(offload_block_ids)``) carries no message.
 
     Returns:
-        ``str(exc)`` when it is not empty, else ``"assertion failed in
-        <file>:<line> (<function>): <source line>"``.
+        ``str(exc)`` when not empty, else ``"assertion failed in <file>:<line>
+        (<function>): <source line>"``.
 
     """
     text = str(exc).strip()

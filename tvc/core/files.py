@@ -1,18 +1,10 @@
 """Files in the suite's own folders: written never through a link, read bounded.
 
-Run folders are reused (``--tvc-report-dir`` of an earlier run, ``tvc summary``),
-so a name in one may be a symbolic link someone left there (``summary.md`` linked
-to a user's notes). :func:`write_file` never writes through one: every folder
-below the owned root is opened with ``O_NOFOLLOW``, a link where the file goes is
-an error naming it (:class:`LinkInTheWay`), and the file is written whole to a
-temporary name and renamed into place, so no existing inode (a hard link to
-someone's file included) is ever written into.
-
-:func:`read_json` reads a file the suite wrote earlier, bounded: a regular file
-only (a FIFO, a device or a folder is refused without blocking), at most
-``max_bytes``, nested at most ``max_depth`` deep.
-
-Standard library only; nothing here imports pytest.
+:func:`write_file` opens every folder below the owned root with ``O_NOFOLLOW``,
+refuses a link where the file goes (:class:`LinkInTheWay`) and writes whole to a
+temporary name renamed into place, so no existing inode (a hard link included) is
+written into. :func:`read_json` reads a regular file only (no FIFO or device
+blocks it), bounded in bytes and depth. Standard library only; see docs/safety.md.
 """
 
 from __future__ import annotations
@@ -73,17 +65,11 @@ def _open_dir(root: Path, parts: tuple[str, ...]) -> int:
 
 def write_file(path: str | os.PathLike[str], data: bytes | str,
                root: str | os.PathLike[str] | None = None) -> Path:
-    """Write ``path`` whole, never through a link.
+    """Write ``path`` whole, never through a link; return ``path``.
 
-    Args:
-        path: the file, inside ``root``.
-        data: its content (text is written as UTF-8).
-        root: the folder the suite owns (its own path may contain links, e.g. a
-            home folder behind one; it must not be a link itself); default the
-            file's folder. Folders between it and the file are made as needed.
-
-    Returns:
-        ``path``.
+    ``root`` is the folder the suite owns (default the file's folder; its own path may
+    contain links, it may not be one); folders below it are made as needed. Text is
+    written as UTF-8.
 
     Raises:
         LinkInTheWay: the file, or a folder on the way below ``root``, is a link.
@@ -157,8 +143,7 @@ def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_BYTES,
 
     Raises:
         OSError: as :func:`read_bounded`.
-        ValueError: not UTF-8 JSON (``json.JSONDecodeError``), or nested deeper
-            than ``max_depth``.
+        ValueError: not UTF-8 JSON, or nested deeper than ``max_depth``.
 
     """
     text = read_bounded(path, max_bytes).decode("utf-8")

@@ -1,11 +1,9 @@
 """How much of a file sits in the kernel's page cache (``mincore``), and dropping it.
 
-A store that says it bypasses the page cache (``O_DIRECT``, GPUDirect Storage)
-leaves no page of what it wrote there; one that writes through the cache leaves
-them resident until the kernel reclaims them. ``mincore(2)`` on a shared,
-read-only mapping of the file reports, per page, whether it is resident: an
-observation a false claim cannot pass (``fincore`` of util-linux does the same).
-Linux only; elsewhere :func:`resident_pages` returns None.
+A store that claims to bypass the page cache (``O_DIRECT``, GPUDirect Storage)
+leaves no resident page of what it wrote; ``mincore(2)`` on a read-only mapping
+observes that (as util-linux ``fincore`` does). Linux only; elsewhere
+:func:`resident_pages` returns None.
 """
 
 from __future__ import annotations
@@ -36,16 +34,10 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def resident_pages(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """``(resident, total)`` pages of a regular file in the page cache.
+    """``(resident, total)`` pages (``mmap.PAGESIZE``) of a regular file in the cache.
 
-    Args:
-        path: the file.
-
-    Returns:
-        the counts (``mmap.PAGESIZE`` pages), ``(0, 0)`` for an empty file, or
-        None where it cannot be observed (not Linux, not a regular file, the
-        mapping or ``mincore`` refused).
-
+    ``(0, 0)`` for an empty file; None where it cannot be observed (not Linux, not a
+    regular file, the mapping or ``mincore`` refused).
     """
     libc = _libc()
     p = Path(path)
@@ -74,9 +66,7 @@ def resident_pages(path: str | os.PathLike[str]) -> tuple[int, int] | None:
 def drop_cached(path: str | os.PathLike[str]) -> bool:
     """Write back and evict a file's pages (``fsync``, ``POSIX_FADV_DONTNEED``).
 
-    Returns:
-        whether the advice was given (False where the platform has none).
-
+    Returns False where the platform has no such advice.
     """
     if not hasattr(os, "posix_fadvise"):
         return False

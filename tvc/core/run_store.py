@@ -1,41 +1,14 @@
 """A fresh connector store location for every test session, removed at its end.
 
-A connector with a persistent store (vLLM's ExampleConnector writes each request's KV
-as files under ``kv_connector_extra_config.shared_storage_path``) remembers every
-prompt a run stored. Reusing the profile's store location across runs has two
-effects: a replayed run (same ``--tvc-seed``, same trace) finds
-its prompts already stored, so a cold prompt is served warm (a false hit) or files
-written at another dtype are loaded; and the location grows by every run's KV,
-never removed.
-
-So the suite never hands the profile's store location to a connector as it is.
-:func:`isolate_store_paths` rewrites every value of ``kv_connector_extra_config``
-that names a path inside the profile's scratch directory (``${SCRATCH}/...`` in a
-profile) to the same relative path under this session's own folder,
-``<scratch>/run-stores/<pid>-<random>/`` (:func:`session_store_root`). The folder
-lives for the whole pytest session of this process (a store written before a server
-restart is still there after it, as ``suites/e2e/test_restart_persistence.py``
-needs) and is removed when the session ends (:func:`pytest_unconfigure`), or at
-interpreter exit outside pytest. Folders left by a killed run (their process is gone)
-are removed when the next session opens its own.
-
-Nothing here names a connector or a profile: the rule is "paths under the suite's
-scratch are the suite's; each session gets its own". A store in a folder of the
-profile's ``[store] test_devices`` (the only other place the load allows, see
-:func:`tvc.config.checks.resolve_store_paths`) gets its own session folder in that
-folder the same way; a device node is left as the profile says, and the contract
-tier's per-run nonce keeps its prompts unknown to it.
-
-Ownership: the suite deletes only folders it made. Every folder made here holds an
-ownership marker (:data:`OWNER_MARKER`, JSON with the suite's name, the creating
-process id and the folder's id) written right after ``mkdir``; a folder is removed
-only when its marker is present and names this session (end of session) or a dead
-process with the folder's own ``<pid>-<id>`` (a killed run). A
-``run-stores/<pid>-<id>/`` folder someone else made, or a marker copied elsewhere, is
-left alone, and so is a session folder another program wrote in (marked ``kept``,
-:func:`note_foreign_writer`).
-:func:`make_owned_dir`, :func:`owner_of` and :func:`remove_owned_dir` are the same
-rule for other suite-made folders (the store pool uses them).
+A persistent store reused across runs turns a replayed run's cold prompts into false
+hits and grows without end. :func:`isolate_store_paths` moves every
+``kv_connector_extra_config`` path under the profile's scratch (or a
+``[store] test_devices`` folder) into this session's
+``<scratch>/run-stores/<pid>-<random>/`` (:func:`session_store_root`), removed when
+the session ends (:func:`remove_session_stores`); a killed run's folders go at the
+next session's start. Ownership: the suite deletes only folders holding its
+:data:`OWNER_MARKER` that name it (:func:`make_owned_dir`, :func:`owner_of`,
+:func:`remove_owned_dir`); see docs/safety.md.
 """
 
 from __future__ import annotations
@@ -100,19 +73,10 @@ def _read_marker(marker: Path) -> dict[str, Any] | None:
 
 
 def make_owned_dir(path: Path, folder_id: str = "") -> Path:
-    """Create ``path`` (its parents as needed) and mark it as made by this process.
+    """Create ``path`` (and parents) and mark it as made by this process.
 
-    Args:
-        path: a folder that must not exist yet.
-        folder_id: an id recorded in the marker (e.g. the ``<hex>`` of
-            ``<pid>-<hex>``); default a fresh random one.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        FileExistsError: ``path`` exists (the suite never adopts a folder).
-
+    ``folder_id`` is recorded in the marker (e.g. the ``<hex>`` of ``<pid>-<hex>``;
+    default a fresh random one). FileExistsError if ``path`` exists (never adopted).
     """
     path.mkdir(parents=True)
     _write_marker(path / OWNER_MARKER, _facts(folder_id))
@@ -122,21 +86,10 @@ def make_owned_dir(path: Path, folder_id: str = "") -> Path:
 def ownership_problem(path: Path) -> str:
     """Why the suite may not write or delete in folder ``path`` ('' when it may).
 
-    Ownership is by creation: the suite owns a folder it created (this run, or an
-    earlier one: the folder holds the suite's :data:`OWNER_MARKER`) and one that
-    does not exist yet (the suite creates and marks it, :func:`claim_dir`).
-    Anything else is not the suite's: an existing folder without the marker,
-    even an empty one (another program may be about to write there: an empty
-    ``/var/tmp`` is no invitation), a file, a symlinked marker, a folder that
-    cannot be read.
-
-    Args:
-        path: an absolute, normalised path.
-
-    Returns:
-        a phrase for a one-line error, e.g. ``"an existing folder of 3 entries
-        the suite did not create (no .tvc-owned marker)"``.
-
+    The suite owns a folder holding its :data:`OWNER_MARKER`, or one not yet there;
+    not an unmarked folder (even empty), a file, a symlinked marker or an unreadable
+    folder. The phrase is for a one-line error, e.g. ``"an existing folder of 3
+    entries the suite did not create (no .tvc-owned marker)"``.
     """
     try:
         if path.is_symlink():
@@ -161,23 +114,14 @@ class NotOwnedError(OSError):
 
 
 def claim_dir(path: Path, adopt_unmarked: bool = False) -> Path:
-    """Make ``path`` a folder the suite owns: create and mark it.
+    """Make ``path`` a folder the suite owns: ``mkdir`` (never ``exist_ok``) and mark.
 
-    The folder is created here (``mkdir``, never ``exist_ok``): a folder that
-    appears between the check and the ``mkdir`` is someone else's and refused.
-
-    Args:
-        path: the folder (absolute).
-        adopt_unmarked: also mark an existing folder without a marker (only for
-            the suite's own ``<checkout>/.scratch/<name>``, whose folders predate
-            markers).
-
-    Returns:
-        ``path``, an existing folder holding the suite's marker.
+    ``adopt_unmarked`` also marks an existing unmarked folder (only for the suite's
+    own ``<checkout>/.scratch/<name>``, whose folders predate markers).
 
     Raises:
         NotOwnedError: ``path`` exists and is not the suite's
-            (:func:`ownership_problem`).
+            (:func:`ownership_problem`), or appeared between check and ``mkdir``.
 
     """
     if adopt_unmarked and path.is_dir() and not path.is_symlink():
@@ -198,15 +142,9 @@ def claim_dir(path: Path, adopt_unmarked: bool = False) -> Path:
 
 
 def mark_if_missing(path: Path) -> Path:
-    """Create ``path`` with the suite's marker when it does not exist yet.
+    """Create ``path`` with the suite's marker when it does not exist yet; return it.
 
-    For the first writer of a folder outside a suite run (a rig built in a script,
-    a session store): a scratch made here is marked, so the next run accepts it.
-    An existing folder is left as it is (the load decided whether it may be used).
-
-    Returns:
-        ``path``.
-
+    For the first writer outside a suite run (a script's rig, a session store).
     """
     if not path.exists():
         with contextlib.suppress(FileExistsError):
@@ -223,11 +161,9 @@ def owned_ancestor(path: Path) -> Path | None:
 
 
 def made_in_this_run(path: Path) -> Path | None:
-    """The nearest folder at or above ``path`` that this process made in this run.
+    """The nearest folder at or above ``path`` this process made in this run.
 
-    That is a folder whose marker names this process (``pid``) and this run
-    (:data:`RUN_ID`): a session store folder (:func:`session_store_root`), never
-    a folder an earlier run marked or one the suite adopted.
+    Its marker names this ``pid`` and :data:`RUN_ID`; never an adopted folder.
     """
     for folder in (_norm(path), *_norm(path).parents):
         facts = owner_of(folder)
@@ -238,13 +174,9 @@ def made_in_this_run(path: Path) -> Path | None:
 
 
 def owner_of(path: Path) -> dict[str, Any] | None:
-    """The ownership marker of a folder the suite made, or None.
+    """The marker's facts (``suite``, ``pid``, ``id``, ``created_utc``), or None.
 
-    Returns:
-        the marker's facts (``suite``, ``pid``, ``id``, ``created_utc``) when
-        ``path`` is a real folder (not a symlink) holding a regular-file marker
-        written by this suite; None otherwise.
-
+    None unless ``path`` is a real folder (no symlink) with a regular-file marker.
     """
     try:
         if path.is_symlink() or not path.is_dir():
@@ -271,12 +203,7 @@ def file_owned(file: Path) -> bool:
 
 
 def remove_owned_file(file: Path) -> bool:
-    """Remove ``file`` and its marker, only if the suite's marker is there.
-
-    Returns:
-        True when it was removed.
-
-    """
+    """Remove ``file`` and its marker if the suite's marker is there; True if so."""
     if not file_owned(file) or file.is_symlink():
         return False
     file.unlink(missing_ok=True)
@@ -286,17 +213,7 @@ def remove_owned_file(file: Path) -> bool:
 
 def remove_owned_dir(path: Path, pid: int | None = None, folder_id: str | None = None
                      ) -> bool:
-    """Remove a folder only if the suite's marker in it names ``pid`` / ``folder_id``.
-
-    Args:
-        path: the folder.
-        pid: the creating process the marker must name (None = any).
-        folder_id: the id the marker must name (None = any).
-
-    Returns:
-        True when it was removed.
-
-    """
+    """Remove a folder only if its marker names ``pid``/``folder_id`` (None: any)."""
     facts = owner_of(path)
     if facts is None or (pid is not None and facts.get("pid") != pid) or (
             folder_id is not None and facts.get("id") != folder_id):
@@ -306,15 +223,7 @@ def remove_owned_dir(path: Path, pid: int | None = None, folder_id: str | None =
 
 
 def _remove_marker_last(path: Path, facts: dict[str, Any], tries: int = 3) -> None:
-    """Empty ``path`` and remove it, its ownership marker last.
-
-    A process still writing in the folder (a server not yet down, a connector's
-    saving thread) can add files while it is removed; ``rmtree`` would then
-    delete the marker and fail on the last ``rmdir``, leaving a folder nobody
-    may remove. Here the marker goes only once nothing else is left; otherwise
-    it stays (or is written back, ``facts``, when a file came in between), and
-    the next session removes the folder of this dead process.
-    """
+    """Empty ``path`` and remove it, its marker last (kept if a writer adds files)."""
     for _ in range(tries):
         try:
             rest = [c for c in path.iterdir() if c.name != OWNER_MARKER]
@@ -340,12 +249,7 @@ def _remove_marker_last(path: Path, facts: dict[str, Any], tries: int = 3) -> No
 
 
 def remove_if_only_marker(path: Path) -> bool:
-    """Remove a suite-made folder that holds nothing but its marker.
-
-    Returns:
-        True when it was removed.
-
-    """
+    """Remove a suite-made folder that holds only its marker; True if removed."""
     if owner_of(path) is None:
         return False
     try:
@@ -368,17 +272,8 @@ def _split_name(folder: Path) -> tuple[int, str] | None:
 def remove_orphaned_stores(scratch: Path) -> list[Path]:
     """Remove ``<scratch>/run-stores/<pid>-<id>`` folders of runs that are gone.
 
-    A folder goes only when the suite's marker in it names that same pid and id
-    and the process no longer runs; anything else (no marker, another pid, a live
-    process, a symlink, a folder kept because another program wrote in it) is
-    left alone.
-
-    Args:
-        scratch: the profile's scratch directory.
-
-    Returns:
-        the folders removed.
-
+    Only when the marker names that same pid and id and the process no longer runs;
+    returns the folders removed.
     """
     parent = _norm(scratch) / STORES_DIRNAME
     removed: list[Path] = []
@@ -395,19 +290,10 @@ def remove_orphaned_stores(scratch: Path) -> list[Path]:
 
 
 def session_store_root(scratch: Path) -> Path:
-    """Return the store folder of this session under ``scratch`` (made on first use).
+    """``<scratch>/run-stores/<pid>-<8 hex digits>``: this session's store folder.
 
-    The same folder is returned for the whole life of the process (one pytest
-    session, or one xdist worker), so every connector, scheduler and server of the
-    session shares one store, and a server restart finds what was stored before it.
-
-    Args:
-        scratch: the profile's scratch directory (``profile.scratch``).
-
-    Returns:
-        ``<scratch>/run-stores/<pid>-<8 hex digits>``, an existing folder holding
-        only its ownership marker at first.
-
+    Made on first use, holding only its marker; the same for the process's life (one
+    session or xdist worker), so a server restart finds what was stored before it.
     """
     global _ATEXIT_REGISTERED
     key = _norm(scratch)
@@ -447,11 +333,7 @@ def file_identities(root: Path) -> dict[Path, Identity]:
 
 
 def settle_s() -> float:
-    """:data:`SETTLE_S`, longer on a box with more runnable tasks than CPUs.
-
-    Another writer gets its share of the CPU, not all of it: on a box loaded N
-    times over it needs N times as long to show its next write.
-    """
+    """:data:`SETTLE_S` times the load per CPU (1 to :data:`MAX_LOAD_FACTOR`)."""
     try:
         load = os.getloadavg()[0] / (os.cpu_count() or 1)
     except OSError:
@@ -477,14 +359,8 @@ _FOREIGN: dict[Path, Path] = {}
 def note_foreign_writer(inside: Path, file: Path) -> None:
     """Remember that another program writes in this session's store folder.
 
-    The session's clean-up then keeps that folder (marked ``kept``, which the
-    next runs respect too) and says so in one line, instead of removing the
-    other program's files with the suite's.
-
-    Args:
-        inside: a folder in the session store folder (the injector's root).
-        file: the file that changed.
-
+    ``inside`` is a folder in it (the injector's root), ``file`` the changed file. The
+    clean-up then keeps that folder (marked ``kept``) and says so in one line.
     """
     for root in _ROOTS.values():
         if _norm(inside).is_relative_to(root):
@@ -508,19 +384,10 @@ def _keep(root: Path, file: Path) -> None:
 def remove_session_stores(scratch: Path | None = None) -> list[Path]:
     """Remove the store folders this process made (end of the session).
 
-    A folder another program wrote in is kept instead, marked ``kept`` and named
-    in one line on stderr: one the fault injector saw written by another
-    (:func:`note_foreign_writer`), or one whose files still change over a settle
-    time (:func:`settle_s`) now that the session's connectors are stopped.
-
-    Args:
-        scratch: only the folder under this scratch directory; None = all.
-
-    Returns:
-        the folders removed (only those whose marker names this process).
-        ``<scratch>/run-stores`` itself goes too when the suite made it and no
-        other session's folder is left in it.
-
+    A folder another program wrote in (:func:`note_foreign_writer`, or files still
+    changing over :func:`settle_s`) is kept, marked ``kept`` and named on stderr.
+    ``scratch``: only that scratch's folder (None: all). Returns the folders
+    removed; ``<scratch>/run-stores`` goes too when the suite made it and it is empty.
     """
     removed = []
     keys = list(_ROOTS) if scratch is None else [_norm(scratch)]
@@ -545,9 +412,8 @@ FILE_URL = "file://"  # the form a resolved file URL takes: file:///abs/path
 def resolved_path_of(value: Any) -> tuple[str, str] | None:
     """``(prefix, absolute path)`` of a resolved store path string, else None.
 
-    The load resolved every store path of ``extra_config``
-    (:func:`tvc.config.checks.resolve_store_paths`): an absolute path, or a
-    ``file://`` URL of one.
+    The load resolved every store path (:func:`tvc.config.checks.resolve_store_paths`)
+    to an absolute path or a ``file://`` URL of one.
     """
     if not isinstance(value, str) or not value:
         return None
@@ -589,27 +455,16 @@ def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
                         ) -> dict[str, Any]:
     """A copy of ``kv_transfer_config`` whose store paths are this session's.
 
-    Every string in ``kv_connector_extra_config`` (nested dicts and lists included)
-    that is an absolute path (or a ``file://`` URL of one) equal to or inside
-    ``scratch`` is moved to the same relative path under ``root``; one inside a
-    test-device folder ``D`` of ``devices`` goes under D's own session folder
-    ``D/run-stores/<pid>-<hex>/``. So every store a connector writes is a folder
-    this process created in this run. Everything else is kept as it is.
-
-    Args:
-        kv_transfer_config: the dict vLLM takes (``profile.kv_transfer_config()``
-            or a test's variation of it); not modified.
-        scratch: the profile's scratch directory (``profile.scratch``).
-        root: the folder to move scratch paths into; default
-            :func:`session_store_root` of ``scratch`` (created only when a path
-            needs moving).
-        devices: the profile's ``[store] test_devices``; their folders (not
-            device nodes) get session folders too.
+    Every string in ``kv_connector_extra_config`` (nested too) that is an absolute path
+    or ``file://`` URL inside ``scratch`` moves to the same relative path under
+    ``root``; one inside a ``devices`` folder ``D`` goes under
+    ``D/run-stores/<pid>-<hex>/``. The input is not modified. ``root`` defaults to
+    :func:`session_store_root` of ``scratch`` (made only when a path moves);
+    ``devices`` are the profile's ``[store] test_devices`` (device nodes are kept).
 
     Returns:
-        the rewritten copy, e.g. ``{"shared_storage_path":
-        "<scratch>/example-store"}`` becomes ``{"shared_storage_path":
-        "<scratch>/run-stores/<pid>-<hex>/example-store"}``.
+        e.g. ``{"shared_storage_path": "<scratch>/example-store"}`` becomes
+        ``{"shared_storage_path": "<scratch>/run-stores/<pid>-<hex>/example-store"}``.
 
     """
     out = copy.deepcopy(dict(kv_transfer_config))

@@ -1,12 +1,9 @@
 """The run's one seed, for the machinery that generates prompts.
 
-The plugin sets it from the run seed (``--tvc-seed``, ``TVC_SEED``, else random;
-the same on every xdist worker) before any test runs, so ``--tvc-seed`` replays
-a run's prompts, token ids included. Mixed into every generated prompt, it also
-keeps a persistent store's files from an earlier run from turning a "cold"
-prompt warm (a replay with the same seed gets a fresh store:
-:mod:`tvc.core.run_store`). Outside a suite run (a script building rigs by
-hand) a random seed is drawn once per process.
+The plugin sets it from the run seed before any test, so ``--tvc-seed`` replays a
+run's prompts, token ids included; mixed into every prompt, it also keeps an earlier
+run's store from turning a cold prompt warm. Outside a suite run a random seed is
+drawn once per process.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Where a run's time went: server start/ready/stop and test spans, as JSON and a chart.
 
-Each process that owns servers (the pool, :mod:`tvc.procs.pool`) records server events
-in a
-:class:`Timeline` and writes ``<run>/timeline/servers-<worker>.json`` when it closes;
-the controller records every test's span from its reports (``report.start`` /
-``report.stop``, wall-clock seconds) and, at the end of the session,
-:func:`write_run_timeline` merges both into ``<run>/timeline.json`` and a Gantt chart
-``<run>/charts/timeline.png`` (when matplotlib is installed), and names the critical
-path: the server start the run waited on longest, and the busiest lane.
+Server-owning processes record a :class:`Timeline` into
+``<run>/timeline/servers-<worker>.json``; the controller adds every test's span
+(wall-clock s) and :func:`write_run_timeline` merges them into
+``<run>/timeline.json``, a Gantt chart ``<run>/charts/timeline.png`` (with
+matplotlib) and :func:`critical_path` sentences.
 """
 
 from __future__ import annotations
@@ -31,16 +28,14 @@ TIMELINE_PNG = "timeline.png"  # under <run>/charts/
 class Timeline:
     """Thread-safe record of server lifecycles and of waits for them.
 
-    Times are wall-clock seconds (``time.time()``) so records of several processes
-    (xdist workers, the controller) line up.
+    Times are wall-clock seconds (``time.time()``), so processes' records line up.
 
     Attributes:
         servers: name -> record (``name``, ``key``, ``gpus``, ``queued``, ``start``,
-            ``ready``, ``stop``, ``error``, ``log``; times may be None), in the order
-            first seen. A server started again (a restart) gets a new record named
-            ``<name>#2``...
-        waits: records ``{"test", "server", "start", "end"}``: a test (or fixture)
-            blocked until a server started in the background was ready.
+            ``ready``, ``stop``, ``error``, ``log``; times may be None), in order first
+            seen; a restart gets a new record ``<name>#2``...
+        waits: ``{"test", "server", "start", "end"}``: a test blocked until a
+            background server was ready.
 
     """
 
@@ -52,9 +47,9 @@ class Timeline:
         self._current: dict[str, str] = {}  # server name -> its latest record name
 
     def event(self, server: str, what: str, **data: Any) -> None:
-        """Record ``what`` (``queued``, ``start``, ``ready``, ``stop``, ``error``) now.
+        """Record ``what`` (``queued``/``start``/``ready``/``stop``/``error``) now.
 
-        A ``queued`` or ``start`` event after a ``stop`` opens a new record.
+        A ``queued`` or ``start`` after a ``stop`` opens a new record.
         """
         now = self.clock()
         with self._lock:
@@ -88,12 +83,7 @@ class Timeline:
                     "waits": [dict(w) for w in self.waits]}
 
     def write(self, folder: Path, worker: str) -> Path:
-        """Write ``folder/servers-<worker>.json`` (whole file or none).
-
-        Returns:
-            the path written.
-
-        """
+        """Write ``folder/servers-<worker>.json`` (whole file or none); return it."""
         return write_file(folder / f"servers-{worker}.json",  # whole file or none
                           json.dumps({"worker": worker, **self.as_dict()}, indent=1),
                           folder.parent)
@@ -102,9 +92,8 @@ class Timeline:
 def test_spans(reports: Iterable[Any]) -> list[dict[str, Any]]:
     """One span per test from its phase reports (setup, call, teardown).
 
-    Args:
-        reports: pytest ``TestReport`` objects (with ``start``/``stop``, pytest 7+);
-            under xdist the controller's copies carry ``node`` (the worker).
+    Takes pytest ``TestReport`` objects (``start``/``stop``, pytest 7+; under xdist
+    with ``node``).
 
     Returns:
         ``{"test", "lane", "start", "end", "outcome"}`` records in start order.
@@ -143,20 +132,11 @@ def read_server_parts(folder: Path
 
 
 def critical_path(data: Mapping[str, Any]) -> list[str]:
-    """Sentences naming where the run's wall time went.
+    """Sentences naming where the run's wall time went (empty when nothing recorded).
 
-    - the server start the tests waited on longest (waits summed per server):
-      "the run waited 31.2 s on server vllm-baseline start (queued 0.0 s, start
-      to ready 30.1 s)";
-    - the busiest lane (the xdist worker whose tests took the most time);
-    - the longest server start.
-
-    Args:
-        data: a timeline dict (``start``, ``end``, ``servers``, ``tests``, ``waits``).
-
-    Returns:
-        sentences (empty when nothing was recorded).
-
+    The server start waited on longest (waits summed per server), the busiest lane,
+    and the longest server start, from a timeline dict (``start``, ``end``,
+    ``servers``, ``tests``, ``waits``).
     """
     out: list[str] = []
     wall = (data.get("end") or 0) - (data.get("start") or 0)
@@ -204,8 +184,7 @@ def build(tests: list[dict[str, Any]], folder: Path,
           session_start: float | None = None) -> dict[str, Any]:
     """The run's timeline dict from test spans and the server parts in ``folder``.
 
-    ``session_start`` (wall clock, s): when pytest began, so "the run took" counts
-    collection and set-up too.
+    ``session_start`` (wall clock, s) makes "the run took" count collection too.
     """
     servers, waits = read_server_parts(folder)
     times = [t["start"] for t in tests] + [t["end"] for t in tests]
@@ -221,7 +200,7 @@ def build(tests: list[dict[str, Any]], folder: Path,
 
 
 def chart(data: Mapping[str, Any], path: Path) -> Path | None:
-    """Draw a Gantt chart of servers (queued, starting, ready) and tests per lane.
+    """Draw a Gantt chart of servers and tests per lane.
 
     Returns:
         ``path``, or None when matplotlib is missing or there is nothing to draw.
@@ -276,10 +255,7 @@ def write_run_timeline(run_dir: Path, tests: list[dict[str, Any]],
                        session_start: float | None = None) -> dict[str, Any]:
     """Write ``<run>/timeline.json`` and ``<run>/charts/timeline.png``.
 
-    Args:
-        run_dir: the run folder (server parts under ``<run>/timeline/``).
-        tests: :func:`test_spans` of the run.
-        session_start: when pytest began (wall clock, s), if known.
+    ``tests`` are :func:`test_spans`; ``session_start`` is wall clock s, if known.
 
     Returns:
         the timeline dict (``chart`` is the PNG's path or None).

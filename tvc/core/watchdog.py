@@ -1,15 +1,10 @@
 """A deadline for code that may never return (a connector call, an engine step).
 
 vLLM calls every connector method on the engine core's one thread
-(``EngineCore.step``: ``schedule``, ``execute_model``, ``update_from_output``), so a
-connector call that loops or waits forever stops every request. :func:`deadline`
-bounds such a block with ``SIGALRM``: when the time is up its handler raises
-:class:`Stuck` in the stuck code itself (between two Python bytecodes, or when a
-blocking wait is interrupted), naming what was running and where.
-
-It nests with ``pytest-timeout``'s signal method (same signal): an outer timer
-that is due first keeps its deadline and is re-armed with the time it has left
-when the block ends.
+(``EngineCore.step``), so a call that never returns stops every request.
+:func:`deadline` bounds a block with ``SIGALRM`` and raises :class:`Stuck` in the
+stuck code, naming what and where. It nests with ``pytest-timeout``'s signal
+method: an outer timer due first keeps its deadline.
 """
 
 from __future__ import annotations
@@ -52,11 +47,10 @@ def deadline(seconds: float, describe: Callable[[float, FrameType | None, bool],
     """Raise :class:`Stuck` if the block runs longer than ``seconds``.
 
     Args:
-        seconds: the bound; 0 or less (or a thread other than the main one,
-            where no signal handler can be set) watches nothing.
-        describe: ``(seconds, frame, outer) -> message``: called in the signal
-            handler with the frame that was running; ``outer`` is True when an
-            enclosing timer (``pytest-timeout``) was due first.
+        seconds: the bound; 0 or less, or not the main thread: watches nothing.
+        describe: ``(seconds, frame, outer) -> message``, called in the signal
+            handler; ``outer`` is True when an enclosing timer (``pytest-timeout``)
+            was due first.
 
     Raises:
         Stuck: in the running code, when the time is up.

@@ -1,13 +1,10 @@
 """Collect the certification set: every test a certify run of a profile collects.
 
 ``python -m tvc.plugin.certset OUT PYTEST_ARGS...`` runs ``pytest --collect-only``
-with the arguments ``tvc certify`` gives its run (the tiers, ``--rootdir``,
-``--tvc-profile``), so the suite's own deselection of device variants the
-connector cannot run applies, and writes ``OUT``: a JSON object node id ->
-hardware level (``any``, ``gpu``, ``gpu2``, ``nvme``, from the ``hw_*`` markers).
-:mod:`tvc.report.certification` keeps the tests of the certified levels.
-Run in a process of its own: the plugin's signal handlers and run state stay
-out of the caller.
+with ``tvc certify``'s arguments (so the suite's device-variant deselection applies)
+and writes ``OUT``: JSON node id -> hardware level (``any``, ``gpu``, ``gpu2``,
+``nvme``). A process of its own keeps the plugin's signal handlers and run state out
+of the caller.
 """
 
 from __future__ import annotations
@@ -34,12 +31,7 @@ class Collector:
 
 
 def main(argv: list[str]) -> int:
-    """Collect with ``argv[1:]`` and write the set to ``argv[0]``.
-
-    Returns:
-        pytest's exit status (0 when the set was written).
-
-    """
+    """Collect with ``argv[1:]``, write the set to ``argv[0]``; pytest's exit status."""
     out, args = Path(argv[0]), argv[1:]
     plugin = Collector()
     rc = int(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args],

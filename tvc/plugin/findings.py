@@ -1,15 +1,9 @@
 """Findings: every defect a run found, with how to reproduce it, in ``summary.json``.
 
-Each failed, errored or known-failure (strict xfail) test of a run becomes one
-finding: the test, its message, the command that reruns exactly it (profile and
-seed), and, where the failure is a defect the suite knows (:data:`CATALOGUE`),
-its title, a minimal reproduction in the connector's terms and where upstream
-it comes from. Several tests showing one catalogued defect make one finding.
-
-A known failure (``[[known_failures]]``) is a finding too: it keeps pytest's
-exit status at 0, so ``tvc certify`` (:mod:`tvc.cli`) reads ``findings``, lists them and
-counts the accepted ones in its verdict.
-
+Each failed, errored or known-failure (strict xfail) test becomes a finding with its
+message and a rerun command (:func:`findings`); a defect in :data:`CATALOGUE` adds its
+title, a minimal reproduction and its upstream source, one finding for all its tests.
+``tvc certify`` reads known failures from here (they leave pytest's exit status 0).
 The Tutti entries are for the public connector (xPU-IO/Tutti
 ``integration/vllm-connector`` at 33a8fb8), found by the contract and e2e tiers
 (CPU: scheduler side through vLLM 0.28's scheduler; H200: worker and server).
@@ -63,11 +57,9 @@ class KnownDefect:
                 versions: Mapping[str, str] | None = None) -> bool:
         """Whether a test's node id and message show this defect.
 
-        ``connector`` is the run's ``kv_connector`` (``""``: unknown, e.g. an
-        older ``summary.json``); a different class never matches.
-        ``versions`` (distribution name -> installed version, ``vllm``
-        included) rules out a defect of other vLLM or package versions; a
-        version not recorded does not rule it out.
+        ``connector`` is the run's ``kv_connector`` (``""``: unknown); another
+        class never matches. ``versions`` (distribution -> installed version,
+        ``vllm`` included) rules out other versions; one not recorded does not.
         """
         if connector and connector != self.connector:
             return False
@@ -411,22 +403,17 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
     Args:
         tests: entries with ``nodeid``, ``outcome``, ``message``.
         profile: the summary's ``profile`` section (``name``, ``source``).
-        seed: the run's seed (``--tvc-seed``), for the rerun command.
-        pythonpath: the run's ``PYTHONPATH`` (where an out-of-tree connector's
-            module was found), put in front of the rerun command when set.
-        require: the run's strict levels (``--tvc-require``), kept in the rerun
-            command so that a strict red reruns strict (a skip otherwise).
-        versions: distribution -> version of the run (``vllm`` and the
-            connector's package); a catalogued defect of other versions is not
-            matched (:meth:`KnownDefect.applies_to`).
-        depth: the run's depth (``run.depth`` of ``summary.json``): a depth
-            other than the default, an explored-sequence count or a volume other
-            than the depth's own, stay in the rerun command.
+        seed: the run's seed (``--tvc-seed``), kept in the rerun command.
+        pythonpath: the run's ``PYTHONPATH``, put in front of the rerun command.
+        require: the run's ``--tvc-require`` levels, kept (a strict red reruns
+            strict).
+        depth: ``run.depth`` of ``summary.json``; a non-default depth or override
+            stays in the rerun command.
+        versions: distribution -> version of the run; a catalogued defect of other
+            versions is not matched (:meth:`KnownDefect.applies_to`).
         pytest: the pytest the rerun command calls (:func:`pytest_command`).
-        root: the run's rootdir when it is not the folder the run started in
-            (an installed suite run from the user's folder): the rerun names
-            the test by its path there and keeps that rootdir, so the node id
-            stays ``suites/<tier>/...`` (``[[known_failures]]`` globs on it).
+        root: the run's rootdir when not where it started (an installed suite): the
+            rerun keeps it so the node id stays ``suites/<tier>/...``.
 
     Returns:
         one dict per finding: ``key`` (catalogue key, or ``test``), ``title``,
@@ -474,17 +461,10 @@ def findings(tests: Iterable[Mapping[str, Any]], profile: Mapping[str, Any],
 
 
 def cut(text: str, limit: int = 400) -> str:
-    """``text`` on one line, at most ``limit`` characters, cut at a word boundary.
+    """``text`` on one line, at most ``limit`` characters (``…`` included).
 
-    Args:
-        text: any message (several lines are joined by spaces).
-        limit: the most characters returned, the ``…`` included.
-
-    Returns:
-        ``text`` itself when it fits, else its longest prefix that ends at a
-        whitespace followed by ``…`` (a single word longer than ``limit`` is cut
-        inside it, as there is no boundary to cut at).
-
+    Cut at the last whitespace that fits; a single word longer than ``limit`` is cut
+    inside it.
     """
     flat = " ".join(str(text).split())
     if len(flat) <= limit:
@@ -517,9 +497,8 @@ def _first_line(message: str) -> str:
 def _after_first_line(message: str) -> str:
     """What follows the first non-empty line of a message (``""`` if nothing).
 
-    After an assert's own message (``AssertionError: <text>``), pytest's
-    re-statement of the failed expression (``assert not [...]``, cut with
-    "...", and its ``where`` lines) is left out: the text already says it.
+    pytest's re-statement of a failed assert's expression (and ``where`` lines) after
+    its own message is left out.
     """
     lines = [ln for ln in str(message).splitlines() if ln.strip()]
     if lines and lines[0].startswith("AssertionError: ") and not lines[0].startswith(
@@ -532,18 +511,10 @@ def _after_first_line(message: str) -> str:
 def normalise_cause(message: str) -> str:
     """The cause of a failure as a key that equal causes share.
 
-    The message's first non-empty line with what differs between tests of one
-    cause masked: file paths (``<path>``), addresses (``<addr>``), uuids and hex
-    ids of 8+ digits (``<id>``), and numbers (``<n>``; a number glued to a word,
-    as in ``sha256`` or ``req2``, stays).
-
-    Args:
-        message: a test's one-paragraph message (``summary.json``).
-
-    Returns:
-        the key, e.g. ``AssertionError: matched <n> tokens, expected <n>``;
-        ``(no message)`` for an empty one.
-
+    The first non-empty line with paths (``<path>``), addresses (``<addr>``), uuids and
+    hex ids of 8+ digits (``<id>``) and numbers (``<n>``; not glued to a word, as in
+    ``sha256``) masked: ``AssertionError: matched <n> tokens, expected <n>``;
+    ``(no message)`` for an empty one.
     """
     line = _first_line(message)
     if line == "(no message)":
@@ -562,29 +533,23 @@ def causes(tests: Iterable[Mapping[str, Any]], found: Iterable[Mapping[str, Any]
            group: str = "failed", label: Any = None) -> list[dict[str, Any]]:
     """Tests of one outcome group, one entry per cause, the largest first.
 
-    A catalogued defect (a finding whose ``key`` is not ``test``) is one cause
-    by its key, whatever its messages; any other test joins the tests whose
-    message has the same :func:`normalise_cause`.
+    A catalogued defect is one cause by its key; any other test joins the tests with
+    the same :func:`normalise_cause`.
 
     Args:
-        tests: ``summary.json`` test entries (``nodeid``, ``outcome``,
-            ``message``, ``tiers``).
+        tests: ``summary.json`` test entries (``nodeid``, ``outcome``, ``message``,
+            ``tiers``).
         found: the run's findings (:func:`findings`), for the catalogue keys.
-        group: ``failed`` (failed and error), ``xfailed``, ``skipped`` or
-            ``not_run`` (see :data:`OUTCOME_GROUP`).
-        label: ``test -> str`` naming a test in the lists (default: the last
-            part of its node id); a fleet summary prefixes the host.
+        group: a value of :data:`OUTCOME_GROUP` (``failed`` takes failed and error).
+        label: ``test -> str`` naming a test (default: the last part of its node
+            id); a fleet summary prefixes the host.
 
     Returns:
-        dicts with ``key`` (the grouping key), ``title`` (the catalogued title
-        or the first line of the first test's message, :func:`cut` to 400
-        characters), ``finding``
-        (the catalogue key or ``""``), ``outcomes`` (outcome -> count),
-        ``tiers`` (tier names), ``tests`` (node ids), ``names`` (labels),
-        ``message`` (the first test's full message), ``detail`` (what the
-        title does not show: the rest of that message, or a catalogued
-        defect's message; :func:`cut` to 600 characters), sorted by number of tests
-        (most first), then key.
+        dicts with ``key``, ``title`` (catalogued title or first message line,
+        :func:`cut` to 400 characters), ``finding`` (catalogue key or ``""``),
+        ``outcomes`` (outcome -> count), ``tiers``, ``tests`` (node ids), ``names``
+        (labels), ``message`` (first test's), ``detail`` (the rest, :func:`cut` to
+        600 characters); most tests first, then key.
 
     """
     name = label or (lambda t: str(t.get("nodeid", "")).split("::")[-1])
@@ -632,21 +597,11 @@ def _depth_options(depth: Mapping[str, Any] | None) -> tuple[list[str], str]:
 
 
 def pytest_command(executable: str, cwd: str) -> str:
-    """The pytest a rerun command calls: the one of the run's interpreter.
+    """The pytest a rerun command calls: the one beside the run's interpreter.
 
-    A bare ``pytest`` is whatever is first on PATH, often not the environment
-    that ran the suite (the README calls ``.venv/bin/pytest`` without
-    activating it).
-
-    Args:
-        executable: the run's ``sys.executable``.
-        cwd: the folder the run started in.
-
-    Returns:
-        the ``pytest`` script beside the interpreter, relative to ``cwd`` when
-        inside it (``.venv/bin/pytest``), else absolute; ``pytest`` when there
-        is none.
-
+    A bare ``pytest`` is whatever is first on PATH (the README calls
+    ``.venv/bin/pytest`` without activating it). Relative to ``cwd`` when inside it,
+    else absolute; ``pytest`` when there is none.
     """
     script = Path(executable).with_name("pytest")
     if not script.is_file():

@@ -1,21 +1,10 @@
 """A fleet summary: run folders from many hosts merged into one (``tvc merge``).
 
-A CI matrix, a Slurm array or a set of Kubernetes Jobs leaves one run folder per
-host (each with ``summary.json`` and ``junit.xml``, :mod:`tvc.plugin.report`),
-often with the same test ids. :func:`merge` writes into a new folder:
-
-- ``summary.json``: ``fleet`` (``verdict``, ``why``, ``hosts``: one row per run
-  folder with host, profile, connector, hardware, vLLM, counts, outcome and why),
-  ``run`` (``kind = "fleet"``, ``outcome``), ``counts`` (summed), ``tests``
-  (every host's, each with ``host``), ``findings`` (each with ``host``);
-- ``junit.xml``: one ``<testsuite>`` per run folder, named ``host/run``, holding
-  that run's cases (from its ``junit.xml``, else from its ``summary.json``), its
-  properties and its outcome (:func:`tvc.plugin.report.stamp_suite`);
-- ``summary.md`` / ``summary.html``: the host table, then what failed, one
-  entry per cause across hosts (templates ``fleet.*.j2``).
-
-The inputs are only read; the output folder must be new, empty, or an earlier
-fleet summary.
+:func:`merge` reads one run folder per host (a CI matrix, a Slurm array) and writes
+a new folder: ``summary.json`` (``fleet`` host table and verdict, summed ``counts``,
+every ``tests`` and ``findings`` entry with its ``host``), ``junit.xml`` (one
+``<testsuite>`` per input, :func:`fleet_junit`) and ``summary.md``/``.html``.
+The inputs are only read. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -47,8 +36,7 @@ VERDICT_RANK = {"PASS": 0, "NOTHING PASSED": 1, "INCOMPLETE": 2, "FAIL": 3,
 def host_label(summary: Mapping[str, Any], run_dir: Path) -> str:
     """``<host>/<run folder name>``, or the folder name when the host is unknown.
 
-    The host is ``run.host`` (written by every run since the fleet summary
-    exists); older summaries fall back to ``hardware.host``.
+    The host is ``run.host``; older summaries fall back to ``hardware.host``.
     """
     run = summary.get("run") or {}
     host = str(run.get("host") or (summary.get("hardware") or {}).get("host") or "")
@@ -58,8 +46,8 @@ def host_label(summary: Mapping[str, Any], run_dir: Path) -> str:
 def check_out_dir(out: Path, inputs: Sequence[Path]) -> str:
     """Why ``out`` cannot receive the fleet summary (``""`` when it can).
 
-    Never an input folder, a folder inside one, or a non-empty folder other
-    than an earlier fleet summary (so no run's files are overwritten).
+    Never an input folder or one inside it, nor a non-empty folder other than an
+    earlier fleet summary.
     """
     out = out.resolve()
     for d in inputs:
@@ -146,19 +134,12 @@ def _host_cases(run_dir: Path, s: Mapping[str, Any], warn: list[str]
 
 def fleet_junit(runs: Sequence[tuple[str, Path, Mapping[str, Any]]],
                 warn: list[str]) -> ET.ElementTree:
-    """One JUnit tree: a ``<testsuite name="host/run">`` per run folder.
+    """One JUnit tree (``<testsuites name="tvc fleet">``), a suite per run folder.
 
-    Each case's ``classname`` is prefixed with the run's label (dots made
-    ``_``), so equal test ids from two hosts stay two cases; a run that did not
-    pass carries its ``tvc-run-outcome`` failure (:func:`stamp_suite`).
-
-    Args:
-        runs: ``(label, run folder, summary)`` per input.
-        warn: lines appended for inputs whose junit.xml was missing or corrupt.
-
-    Returns:
-        the tree (root ``<testsuites name="tvc fleet">``).
-
+    Each case's ``classname`` is prefixed with the run's label (dots made ``_``), so
+    equal ids from two hosts stay two cases; a run that did not pass carries its
+    ``tvc-run-outcome`` failure (:func:`stamp_suite`). ``runs`` are ``(label, run
+    folder, summary)``; ``warn`` gets a line per missing or corrupt junit.xml.
     """
     root = ET.Element("testsuites", name="tvc fleet")
     for label, run_dir, s in runs:
@@ -196,19 +177,14 @@ def fleet_junit(runs: Sequence[tuple[str, Path, Mapping[str, Any]]],
 def merge(inputs: Sequence[Path], out: Path) -> dict[str, Any]:
     """Merge run folders into a fleet summary under ``out``.
 
-    Args:
-        inputs: run folders (each with ``summary.json``); read only.
-        out: the fleet folder (new, empty, or an earlier fleet summary).
-
     Returns:
-        the fleet ``summary.json`` content, plus ``warnings`` (lines about
-        inputs whose junit.xml was missing or corrupt) and ``files``.
+        the fleet ``summary.json`` content, plus ``warnings`` (inputs whose
+        junit.xml was missing or corrupt) and ``files``.
 
     Raises:
-        RunFolderError: an input is not a run folder (the message names the
-            file and the key), is given twice (or a copy of another input), is
-            itself a fleet summary, or
-            ``out`` cannot receive the summary.
+        RunFolderError: an input is not a run folder (the message names the file and
+            the key), is given twice (or a copy of another), is itself a fleet
+            summary, or ``out`` cannot receive the summary.
 
     """
     if not inputs:
@@ -284,11 +260,7 @@ def merge(inputs: Sequence[Path], out: Path) -> dict[str, Any]:
 
 
 def fleet_model(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The template context of a fleet page (``fleet.md.j2`` / ``fleet.html.j2``).
-
-    Causes are grouped across hosts (:func:`tvc.plugin.findings.causes`), each
-    test named ``host/run: test``.
-    """
+    """The template context of a fleet page; causes grouped across hosts."""
     from tvc.plugin.summary_page import NAMES_SHOWN, OUTCOMES
 
     fleet = summary.get("fleet") or {}
@@ -328,12 +300,7 @@ def fleet_model(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_fleet_page(out: Path, summary: Mapping[str, Any]) -> dict[str, Path]:
-    """Write ``summary.md`` and ``summary.html`` of a fleet folder.
-
-    Returns:
-        ``{"markdown": path, "html": path}``.
-
-    """
+    """Write ``summary.md`` and ``summary.html`` of a fleet folder; name -> path."""
     from tvc.plugin.summary_page import render
 
     model = fleet_model(summary)

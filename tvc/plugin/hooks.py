@@ -1,32 +1,9 @@
 """The suite's pytest plugin: options, markers, profile, hardware levels, reports.
 
-Options (each also read from an environment variable):
-
-``--tvc-profile NAME|PATH`` (``TVC_PROFILE``)
-    the target profile; default ``example``.
-``--tvc-require LEVEL[,LEVEL]`` (``TVC_REQUIRE``)
-    strict mode: hardware levels (``gpu``, ``nvme``; ``all`` for both) whose absence
-    fails a test instead of skipping it. ``real_nvme`` is accepted for ``nvme``.
-    ``coverage``: a connector method the connector overrides that no test
-    exercised fails the run (``docs/coverage.md``).
-``--tvc-report-dir DIR`` (``TVC_REPORT_DIR``)
-    the run folder for ``junit.xml`` and ``summary.json``; default
-    ``reports/<UTC time>-<profile>/``.
-``--tvc-seed N`` (``TVC_SEED``)
-    the run's seed for generated prompts (e2e, contract); default: a random seed per
-    run, recorded in the reports and readable as the ``tvc_seed`` fixture.
-``--tvc-depth quick|standard|deep`` (``TVC_DEPTH``)
-    how deep the contract tier goes (:mod:`tvc.config.depth`): exploration
-    sequences per family and the volume scenario's prompts; default ``standard``.
-``--tvc-explore-examples N``
-    event sequences per family of the contract tier's model-based exploration
-    (``suites/contract/test_exploration.py``); default
-    :data:`tvc.contract.explore.DEFAULT_EXAMPLES`; a positive integer.
-``--tvc-trace-*``
-    the trace tier's options (:func:`tvc.trace.bench.add_options`).
-
-Every option is in the ``tvc-`` namespace, so no other plugin's option (e.g.
-pytest-profiling's ``--profile``) is taken.
+Options ``--tvc-*``, each also read from a ``TVC_*`` variable: docs/running.md. All
+are in the ``tvc-`` namespace, so no other plugin's option (e.g. pytest-profiling's
+``--profile``) is taken. Entry points: :func:`pytest_addoption`,
+:func:`pytest_configure`, :func:`pytest_sessionfinish_write_reports`.
 """
 
 from __future__ import annotations
@@ -57,11 +34,9 @@ from tvc.trace import options as trace_options
 # first, before anything else loads: a Ctrl-C while pytest loads its plugins
 _IMPORT_DEFER = run_control.defer_while_plugins_load()
 
-# The plugin loads in every pytest run of the environment (pytest11 entry point), so
-# at import it takes only the standard library, pytest and the modules above. The
-# suite's machinery (profiles, hardware probe, reports; numpy, requests, psutil...)
-# and its fixture plugins are imported by :func:`_load_machinery`, in
-# ``pytest_configure`` of a suite run only (:func:`suite_run_reason`).
+# The plugin loads in every pytest run (pytest11 entry point): at import, only the
+# standard library, pytest and the modules above. The machinery is imported by
+# :func:`_load_machinery` in a suite run only (:func:`suite_run_reason`).
 if TYPE_CHECKING:
     from tvc.config import known_failures
     from tvc.config.depth import Depth
@@ -87,13 +62,7 @@ SUITE_PLUGINS = (
 
 
 def _load_machinery(config: pytest.Config) -> None:
-    """Import the suite's machinery and register its fixture plugins (suite runs).
-
-    Binds the module names the hooks use: :mod:`tvc.plugin.session`,
-    :mod:`tvc.plugin.report` (as ``reporting``), :mod:`tvc.config.known_failures`,
-    :mod:`tvc.env.hardware` and :mod:`tvc.core.run_store`; then registers
-    :data:`SUITE_PLUGINS` (each once per config; a ``-p no:NAME`` still blocks one).
-    """
+    """Import the suite's machinery and register :data:`SUITE_PLUGINS` (suite runs)."""
     global hardware, known_failures, reporting, run_store, session
     from tvc.config import known_failures
     from tvc.core import run_store
@@ -113,25 +82,13 @@ SEED_RANGE = (1, 2**31)
 
 
 def parse_require(value: str | None) -> frozenset[str]:
-    """Parse ``--tvc-require``: ``gpu,nvme`` -> {"gpu", "nvme"}; ``all`` -> both.
+    """Parse ``--tvc-require`` (argparse ``type``): ``gpu,nvme`` -> {"gpu", "nvme"}.
 
-    ``gpu2`` (two GPUs) implies ``gpu``: a host that must show two GPUs must show
-    one, so the one-GPU tiers are strict too. An explicitly empty value
-    (``--tvc-require=``, e.g. from an unset shell variable in a CI gate) is an
-    error, not a silent "no strict mode".
-
-    Used as the option's argparse ``type``, so a bad level is an argparse error that
-    names the option.
-
-    Args:
-        value: comma-separated level names (case-insensitive); None = none.
-
-    Returns:
-        the canonical level names (``gpu``, ``gpu2``, ``nvme``, ``coverage``).
+    ``all`` is ``gpu`` and ``nvme``; ``gpu2`` implies ``gpu``; also ``coverage``.
 
     Raises:
-        argparse.ArgumentTypeError: an unknown level name, or no level at all in
-            a given value.
+        argparse.ArgumentTypeError: an unknown level, or an empty value
+            (``--tvc-require=`` from an unset shell variable is not "no strict mode").
 
     """
     out: set[str] = set()
@@ -157,12 +114,7 @@ def parse_require(value: str | None) -> frozenset[str]:
 
 
 def parse_seed(value: str) -> int:
-    """Parse a ``--tvc-seed`` value: a non-negative integer.
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or negative.
-
-    """
+    """Parse a ``--tvc-seed`` value; raises ArgumentTypeError unless an integer >= 0."""
     try:
         seed = int(value, 0)
     except ValueError:
@@ -174,12 +126,7 @@ def parse_seed(value: str) -> int:
 
 
 def parse_gpus(value: str) -> list[int] | None:
-    """Parse a ``--tvc-gpus`` value: ``all`` (None) or CUDA indices ``0,1``.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-
-    """
+    """Parse ``--tvc-gpus``: ``all`` (None) or ``0,1``; else ArgumentTypeError."""
     from tvc.procs.pool import parse_gpus as parse
 
     try:
@@ -189,12 +136,7 @@ def parse_gpus(value: str) -> list[int] | None:
 
 
 def parse_positive(value: str) -> int:
-    """Parse a count option (``--tvc-explore-examples``): an integer >= 1.
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or 0 or negative.
-
-    """
+    """Parse ``--tvc-explore-examples``; ArgumentTypeError unless an int >= 1."""
     try:
         n = int(value, 0)
     except ValueError:
@@ -206,12 +148,9 @@ def parse_positive(value: str) -> int:
 
 
 def parse_non_empty(value: str) -> str:
-    """Parse a name or path option (``--tvc-profile``, ``--tvc-report-dir``).
+    """Parse a name or path option; ArgumentTypeError when blank.
 
-    Raises:
-        argparse.ArgumentTypeError: the value is empty or blank (``--tvc-profile=``
-            would otherwise fall back to the default profile unseen).
-
+    ``--tvc-profile=`` would otherwise fall back to the default profile unseen.
     """
     if not value.strip():
         raise argparse.ArgumentTypeError(
@@ -270,10 +209,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config,
                                   parser: pytest.Parser, args: list[str]) -> None:
-    """In a suite run: defer Ctrl-C until configure.
+    """Suite runs: defer Ctrl-C until configure (:class:`run_control.DeferInterrupts`).
 
-    Runs after every entry-point plugin has added its options and before the
-    conftests load (see :class:`run_control.DeferInterrupts`).
+    Runs after every entry-point plugin added its options, before the conftests load.
     """
     global _IMPORT_DEFER
     held, _IMPORT_DEFER = _IMPORT_DEFER, None
@@ -296,12 +234,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config,
 
 
 def read_markers(path: Path = MARKERS_FILE) -> dict[str, str]:
-    """Read ``markers.ini``: every section's ``name = description`` lines.
-
-    Raises:
-        pytest.UsageError: the file is missing or malformed.
-
-    """
+    """Read ``markers.ini``'s ``name = description`` lines; UsageError if bad."""
     cp = configparser.ConfigParser(interpolation=None)
     try:
         if not cp.read(path):
@@ -326,11 +259,9 @@ OPTION_NAMES = {
 def suite_run_reason(config: pytest.Config) -> str:
     """Why this pytest run is the suite's ('' when it is not).
 
-    The plugin is a ``pytest11`` entry point, so it loads in every pytest run of the
-    environment (a user's own vLLM tests too). It acts only in the suite's runs:
-    the rootdir holds the suite (``markers.ini`` and ``suites/``), or a ``--tvc-*``
-    option or ``TVC_PROFILE`` is given. Otherwise it only
-    registers its options.
+    The plugin loads in every pytest run of the environment; it acts only when the
+    rootdir holds ``markers.ini`` and ``suites/``, or a ``--tvc-*`` option or
+    ``TVC_PROFILE`` is given.
     """
     return _suite_reason(config.rootpath, lambda d: config.getoption(d, None))
 
@@ -341,12 +272,7 @@ PATH_OPTIONS = ("--tvc-profile", "--tvc-report-dir", "--tvc-trace-file")
 def _path_value_read_as_rootdir(rootpath: Path, cwd: Path, args: list[str]) -> str:
     """Why pytest's rootdir comes from a path option's value ('' when it does not).
 
-    pytest chooses its rootdir from the paths on the command line before any
-    plugin has added its options, so in ``--tvc-profile /x/p.toml`` (a space, not
-    ``=``) it reads ``/x/p.toml`` as a test path: the rootdir becomes ``/x``, the
-    suite's ``testpaths`` and markers are lost, and the working folder is
-    collected. Caught when the rootdir holds such a value and does not hold the
-    working folder.
+    pytest reads ``/x/p.toml`` in ``--tvc-profile /x/p.toml`` (no ``=``) as a test path.
     """
     root, here = Path(rootpath).resolve(), Path(cwd).resolve()
     if here.is_relative_to(root):
@@ -376,11 +302,7 @@ def _suite_reason(rootpath: Path, value: Any) -> str:
 
 
 def is_selftest_run(config: pytest.Config) -> bool:
-    """True when every path the run was given lies under the suite's ``selftests/``.
-
-    Such a run tests the suite itself, not a connector: its run folder goes under
-    ``reports/selftests/`` and its summary says so (``run.kind = "selftests"``).
-    """
+    """True when every path the run was given lies under the suite's ``selftests/``."""
     own = (Path(config.rootpath) / "selftests").resolve()
     base = Path(config.invocation_params.dir)
     paths = [a.split("::", 1)[0] for a in config.args]
@@ -394,21 +316,15 @@ def _active(config: pytest.Config) -> bool:
 
 
 def _run_report(config: pytest.Config) -> RunReport | None:
-    """The run's report writer (:class:`tvc.plugin.report.RunReport`).
+    """The run's :class:`tvc.plugin.report.RunReport`, or None.
 
-    None in a run that is not a suite run, in an xdist worker, or with reports off.
+    None outside a suite run, in an xdist worker, or with reports off.
     """
     return config.stash.get(_REPORT, None) if _active(config) else None
 
 
 def resolve_require(config: pytest.Config) -> set[str]:
-    """Strict-mode levels: ``--tvc-require``, else ``$TVC_REQUIRE``.
-
-    Raises:
-        pytest.UsageError: ``TVC_REQUIRE`` names an unknown level (a bad option value
-            is already an argparse error naming the option).
-
-    """
+    """Strict-mode levels: ``--tvc-require``, else ``$TVC_REQUIRE``; UsageError."""
     opt = config.getoption("tvc_require")
     if opt is not None:
         return set(opt)
@@ -419,18 +335,10 @@ def resolve_require(config: pytest.Config) -> set[str]:
 
 
 def resolve_seed(config: pytest.Config) -> tuple[int, str]:
-    """The run seed and where it came from.
+    """The run seed and its source; UsageError for a bad ``TVC_SEED``.
 
-    First match wins: the xdist controller's seed (workers), ``--tvc-seed``,
-    ``$TVC_SEED``, a fresh random seed in :data:`SEED_RANGE`.
-
-    Returns:
-        (seed, source) with source ``controller``, ``--tvc-seed``, ``TVC_SEED`` or
-        ``random``.
-
-    Raises:
-        pytest.UsageError: ``TVC_SEED`` is not a non-negative integer.
-
+    First match wins: ``controller`` (xdist workers), ``--tvc-seed``, ``TVC_SEED``,
+    ``random`` (from :data:`SEED_RANGE`).
     """
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and _SEED_KEY in workerinput:
@@ -455,11 +363,8 @@ DEPTH_NAMES = ("deep", "quick", "standard")
 def resolve_depth(config: pytest.Config) -> Depth:
     """The run's depth (:mod:`tvc.config.depth`): ``--tvc-depth``, ``$TVC_DEPTH``.
 
-    ``--tvc-explore-examples`` and ``$TVC_SCENARIO_VOLUME`` override its values.
-
-    Raises:
-        pytest.UsageError: an unknown depth or a bad override, named.
-
+    ``--tvc-explore-examples`` and ``$TVC_SCENARIO_VOLUME`` override its values; an
+    unknown depth or bad override is a UsageError.
     """
     from tvc.config.depth import DepthError, resolve
 
@@ -490,12 +395,9 @@ _VARIANTS_KEY = "tvc_variant_lines"  # workeroutput: device-variant lines
 def _share_cpu_threads(workers: int) -> None:
     """Give one xdist worker its share of the CPUs for torch's intra-op pool.
 
-    Each process's pool has one thread per CPU by default; ``-n 2`` on 2 cores
-    then spins two such pools against each other: the example profile's CPU
-    tiers took 245 s (434 s of CPU) against 86 s (136 s) with one thread per
-    worker, same results. ``OMP_NUM_THREADS`` set by the user wins; the
-    environment is left as it is, so the processes a worker starts (``vllm
-    serve``, which sizes its own pools) are not affected.
+    Default pools (one thread per CPU each) under ``-n 2`` on 2 cores: the example
+    profile's CPU tiers took 245 s against 86 s. A user's ``OMP_NUM_THREADS`` wins; the
+    environment is not changed, so ``vllm serve`` sizes its own pools.
     """
     if "OMP_NUM_THREADS" in os.environ or workers < 2:
         return
@@ -598,16 +500,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _default_to_suites(config: pytest.Config) -> None:
     """Outside a checkout, a run given no test path runs the suite's own tests.
 
-    pytest falls back to the directory it was started in when no path is given and
-    no ``testpaths`` applies; in a suite run from outside the checkout (an installed
-    wheel, ``pytest -m level1 --tvc-profile example``) that folder holds none of the
-    suite's tests, so the run collects :func:`tvc.config.paths.suites_dir` instead
-    (named in the header). Inside a checkout pytest's own choice stands.
-
-    The run is given the folder holding ``suites/`` (the package or the checkout)
-    and :func:`pytest_ignore_collect` keeps it to ``suites/``: the node ids are then
-    ``suites/<tier>/test_x.py::test_y`` as in the checkout, which
-    ``[[known_failures]]`` globs and merged run folders rely on.
+    It collects :func:`tvc.config.paths.suites_dir` (named in the header); node ids stay
+    ``suites/<tier>/test_x.py::test_y``, which ``[[known_failures]]`` globs and merged
+    run folders rely on. Inside a checkout pytest's own choice stands.
     """
     if config.args_source != pytest.Config.ArgsSource.INVOCATION_DIR:
         return
@@ -635,12 +530,8 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
                      seed: int, seed_source: str) -> RunReport | None:
     """Controller: xdist set-up, then the run folder and its :class:`RunReport`.
 
-    Returns:
-        the report, or None when nothing runs (``--help``, ``--collect-only``...).
-
-    Raises:
-        pytest.UsageError: the run folder cannot be written.
-
+    None when nothing runs (``--help``, ``--collect-only``...); a UsageError when the
+    run folder cannot be written.
     """
     from tvc.report.provenance import provenance
 
@@ -762,8 +653,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_xdist_node_collection_finished(node: Any, ids: Sequence[str]) -> None:
     """On the xdist controller: the tests to run (every worker collects the same).
 
-    Their hardware levels come from the files the workers wrote at collection
-    (:func:`run_control.read_hw_levels`).
+    Their hardware levels come from :func:`run_control.read_hw_levels`.
     """
     folder = node.config.stash.get(run_control.OWNERS_DIR, None)
     _expect(node.config, ids,
@@ -799,7 +689,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Controller: keep every phase report for the run's timeline (tvc.core.timeline).
+    """Controller: keep every phase report for the timeline (:mod:`tvc.core.timeline`).
 
     The innermost suite config of the process gets it (pytester runs nest).
     """
@@ -820,11 +710,8 @@ _COVERAGE_INVENTORY = pytest.StashKey["concurrent.futures.Future[Any]"]()
 def _start_inventory() -> concurrent.futures.Future[Any]:
     """Compute vLLM's API inventory in a thread while the run goes on.
 
-    The coverage table needs it at the end of a contract run, and it imports
-    vLLM in the controller: 11.6 s of a 2-core box's report phase after the
-    last test (2026-12-05), on the H200 host most of the 17 s between the last
-    test and ``summary.json``. Started at the first contract report, it is
-    ready long before the run ends.
+    The coverage table needs it; importing vLLM took 11.6 s of a 2-core box's report
+    phase (2026-12-05), so it starts at the first contract report.
     """
     import threading
 
@@ -849,11 +736,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]
                                              pytest.TestReport]:
     """A known failure is xfailed in its call phase only, and only for its symptom.
 
-    Setup errors stay errors; with the entry's ``match``, another failure of the
-    test body stays a failure (:func:`tvc.config.known_failures.check_symptom`).
-
-    Outermost wrapper: runs after pytest's skipping plugin has applied the xfail
-    (:func:`tvc.config.known_failures.keep_setup_errors`).
+    Outermost wrapper: runs after pytest's skipping plugin applied the xfail
+    (:func:`tvc.config.known_failures.keep_setup_errors`, ``check_symptom``).
     """
     report = yield
     if _active(item.config):
@@ -870,12 +754,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]
 
 
 def _name_bare_assert(call: pytest.CallInfo[Any], report: pytest.TestReport) -> None:
-    """A bare ``assert`` of the code under test: say where, not just "AssertionError".
+    """Name the innermost frame of a bare ``assert`` in connector or vLLM code.
 
-    pytest rewrites the suite's own asserts (they carry a message); an ``assert``
-    inside a connector or vLLM carries none, so the one-line message (summary,
-    JUnit) would be the bare type. It names the innermost frame and its source
-    line instead (:func:`tvc.core.error_hints.describe_failure`).
+    See :func:`tvc.core.error_hints.describe_failure`.
     """
     exc = call.excinfo.value if call.excinfo is not None else None
     crash = getattr(report.longrepr, "reprcrash", None)
@@ -892,8 +773,7 @@ def pytest_collection_modifyitems(config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
     """Deselect device variants the connector cannot run; group the GPU owners.
 
-    Also marks the profile's ``[[known_failures]]`` as strict xfails
-    (:mod:`tvc.config.known_failures`).
+    Also marks the profile's ``[[known_failures]]`` as strict xfails.
     """
     if not _active(config):
         return
@@ -940,20 +820,12 @@ def pytest_collection_modifyitems(config: pytest.Config,
 
 def _bound_contract_tests(config: pytest.Config, items: list[pytest.Item],
                           seconds: float) -> None:
-    """Give every contract test a pytest-timeout limit (signal method).
+    """Give every contract test a pytest-timeout limit (signal method, ``func_only``).
 
-    The contract tier runs the connector in this process: a call that never
-    returns would hang the run with no verdict. The engine driver's watchdog
-    names a stuck connector call (``connector.call_timeout_s``); this bounds
-    the test's body (``connector.test_timeout_s``) with pytest-timeout's signal
-    method, which fails the test and lets the run write its report (the thread
-    method would end the process). Only the body (``func_only``): a signal
-    that lands in a hook between two phases of a test ends the session with an
-    internal error (the report then names that test, see
-    :meth:`tvc.plugin.report.RunReport.pytest_internalerror`). A
-    ``--timeout``, ``PYTEST_TIMEOUT``, ini
-    ``timeout`` or a test's own ``timeout`` marker wins; without pytest-timeout
-    nothing is added.
+    ``connector.test_timeout_s`` bounds the test body; the thread method would end the
+    process, and a signal between phases ends the session with an internal error
+    (:meth:`tvc.plugin.report.RunReport.pytest_internalerror`). A ``--timeout``,
+    ``PYTEST_TIMEOUT``, ini ``timeout`` or ``timeout`` marker wins.
     """
     import os
 
@@ -1033,15 +905,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-    """Remember a Ctrl-C (the reports say ``interrupted``); hold further ones back.
+    """Remember a Ctrl-C (or SIGTERM/SIGHUP); hold further SIGINTs back.
 
-    SIGTERM and SIGHUP arrive here as a ``KeyboardInterrupt`` too
-    (:class:`run_control.TerminateLikeInterrupt`); the reports then say
-    ``terminated``, and an xdist controller forwards the signal to its workers.
-
-    pytest formats the interrupt, stops the xdist workers and writes the reports
-    after this; a second Ctrl-C during that would abort it with a long traceback
-    and no reports, so from here SIGINT is held (:class:`run_control.HoldInterrupts`).
+    The reports say ``interrupted`` or ``terminated``; an xdist controller forwards the
+    signal to its workers. A second Ctrl-C while pytest writes the reports would lose
+    them (:class:`run_control.HoldInterrupts`).
     """
     for config in _CONFIGS:
         config.stash[_RUN]["interrupted"] = True
@@ -1215,16 +1083,10 @@ COVERAGE_LEVEL = "coverage"  # --tvc-require coverage: strict API coverage
 
 
 def _coverage(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
-    """Add the coverage table to the report; in strict mode fail on a gap.
+    """Add the coverage table to the report; return the exit status to report.
 
-    Only when a test recorded ``tvc_coverage`` (a contract run). Strict
-    (``--tvc-require coverage``): a connector method the connector overrides
-    that no test exercised with a meaningful input turns a passing run into a
-    failed one (exit 1), named on the terminal and in ``summary.json``.
-
-    Returns:
-        the exit status to report.
-
+    Strict (``--tvc-require coverage``): an overridden connector method no test
+    exercised turns a passing run into exit 1 (docs/coverage.md).
     """
     from tvc.contract.coverage import PROPERTY
 

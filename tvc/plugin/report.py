@@ -1,25 +1,11 @@
 """Run reports: JUnit XML plus a JSON summary of the same, under ``reports/``.
 
-Every run writes, without extra flags, into one run folder
-``reports/<UTC time>-<profile>/`` (or ``--tvc-report-dir``):
-
-- ``junit.xml``: pytest's JUnit XML; suite-level properties carry versions, hardware
-  and profile; test-level properties carry each test's figures (``record_property``).
-- ``summary.json``: the same facts as JSON: ``run`` (with ``outcome``: ``passed``,
-  ``failed``, ``interrupted``, ``terminated`` (SIGTERM/SIGHUP, named in
-  ``run.signal``), ``internal_error``, ``usage_error``, ``no_tests``; ``stop``,
-  why a run stopped early (:func:`tvc.report.outcome.stop_reason`); the
-  ``verdict`` with its scope; the ``seed``), ``versions``, ``hardware``,
-  ``profile``, ``counts`` (passed/failed/skipped/error), ``deselected`` (per
-  tier: how many and why), ``scope`` (:func:`tvc.report.scope.scope`),
-  ``tests`` (one entry each with outcome, duration in s, tier markers, hardware
-  level, properties and a one-paragraph message).
-- ``failures.md``: every red as it happens (:mod:`tvc.report.live`).
-
-A run stopped before pytest wrote its JUnit file (Ctrl-C during start-up or
-shutdown) still gets one (:func:`write_fallback_junit`).
-
-``reports/latest`` points at the newest run folder.
+Every run writes into one run folder ``reports/<UTC time>-<profile>/`` (or
+``--tvc-report-dir``): ``junit.xml`` (with the run's outcome stamped in,
+:func:`stamp_junit`), ``summary.json`` (:meth:`RunReport.write`; durations in s) and
+``failures.md`` (:mod:`tvc.report.live`); ``reports/latest`` points at the newest.
+A run stopped before pytest wrote its JUnit file still gets one
+(:func:`write_fallback_junit`). The fields are described in docs/reports.md.
 """
 
 from __future__ import annotations
@@ -81,10 +67,8 @@ def versions() -> dict[str, str]:
 class RunReport:
     """Collects test outcomes and properties; writes ``summary.json`` at the end.
 
-    Args:
-        run_dir: the run folder (created here).
-        meta: run-level facts (profile, hardware, versions, args) for both reports.
-
+    ``run_dir`` is created here; ``meta`` holds run-level facts (profile, hardware,
+    versions, args) for both reports.
     """
 
     def __init__(self, run_dir: Path, meta: dict[str, Any]) -> None:
@@ -129,14 +113,8 @@ class RunReport:
                hardware: Mapping[str, str] | None = None) -> None:
         """Record the tests the run is to run, as ``not_run`` until they report.
 
-        So a run cut short (Ctrl-C, a time limit, ``-x``) counts every test that
-        never started, not only those it was in the middle of.
-
-        Args:
-            nodeids: the node ids left after collection and deselection.
-            hardware: node id -> hardware level (``gpu``, ...) of the tests that
-                need one (their ``hw_*`` marker).
-
+        ``hardware``: node id -> level (``gpu``...) of tests with a ``hw_*`` marker. A
+        run cut short then counts every test that never started.
         """
         for nodeid in nodeids:
             parts = nodeid.split("/")
@@ -161,8 +139,7 @@ class RunReport:
     def pytest_internalerror(self, excrepr: Any) -> None:
         """An internal error stopped the run inside a test: that test is an error.
 
-        (E.g. a time limit that fired in a hook between two phases of a test:
-        without this the report would list the stuck test as never run.)
+        E.g. a time limit that fired in a hook between two phases of a test.
         """
         if not self.running:
             return
@@ -227,9 +204,7 @@ class RunReport:
     def would_skip(self) -> None:
         """Tests a stopped run never reached that this box would have skipped.
 
-        A test needing a hardware level the box lacks (its ``hw_*`` marker),
-        outside strict mode, is a skip, not a red "never ran": it is counted as
-        skipped, saying both.
+        Outside strict mode, a test needing absent hardware counts as skipped.
         """
         hw = self.meta.get("hardware") or {}
         levels = hw.get("levels") or {}
@@ -248,9 +223,9 @@ class RunReport:
         """Number of tests per outcome.
 
         Returns:
-            ``passed``, ``failed``, ``skipped``, ``error``, ``xfailed`` (known
-            upstream defects, strict xfails), and ``not_run`` only
-            when an interrupted run left tests whose body never ran.
+            ``passed``, ``failed``, ``skipped``, ``error``, ``xfailed`` (strict
+            xfails of known upstream defects), and ``not_run`` only when an
+            interrupted run left tests whose body never ran.
 
         """
         out = {"passed": 0, "failed": 0, "skipped": 0, "error": 0, "xfailed": 0}
@@ -259,22 +234,16 @@ class RunReport:
         return out
 
     def outcome(self, exitstatus: int) -> str:
-        """The run's outcome word: :data:`OUTCOME_BY_EXIT`, or ``terminated``.
+        """The run's outcome: :data:`OUTCOME_BY_EXIT`, or ``terminated``.
 
-        An interrupted run (exit 2) stopped by SIGTERM or SIGHUP
-        (:attr:`terminated_by`) is ``terminated``.
+        ``terminated``: exit 2 with :attr:`terminated_by` set (SIGTERM, SIGHUP).
         """
         if int(exitstatus) == 2 and self.terminated_by:
             return "terminated"
         return OUTCOME_BY_EXIT.get(int(exitstatus), f"exit_{int(exitstatus)}")
 
     def _crashed_by_the_stop(self, outcome: str) -> None:
-        """A stopped run's xdist "worker crashed" errors are tests it cut short.
-
-        Ctrl-C or a signal stops the xdist workers too; xdist then reports the
-        test a worker was running as an error, "worker 'gw0' crashed while
-        running ...". Such a test never finished: ``not_run``, not a red.
-        """
+        """A stopped run's xdist "worker 'gw0' crashed" errors become ``not_run``."""
         for entry in self.tests.values():
             if entry["outcome"] == "error" and re.search(
                     r"worker '\w+' crashed while running", entry["message"]):
@@ -290,8 +259,8 @@ class RunReport:
                 (:data:`OUTCOME_BY_EXIT`).
 
         Raises:
-            OSError: the run folder cannot be written (checked at start-up, see
-                :func:`check_run_dir`, so only a disk that fails mid-run gets here).
+            OSError: the run folder cannot be written (checked at start-up by
+                :func:`check_run_dir`, so only a disk failing mid-run gets here).
 
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -347,22 +316,11 @@ class RunReport:
 
 def write_fallback_junit(rep: RunReport, exitstatus: int, suite_name: str,
                          path: Path | None = None) -> Path:
-    """Write a JUnit file from the run's record when pytest wrote none.
+    """Write a JUnit file from the run's record when pytest wrote none; return its path.
 
-    pytest writes its JUnit file at the end of the session; a run stopped before that
-    (Ctrl-C during start-up, collection or shutdown) would leave a CI gate without
-    one. This one lists the tests recorded so far, each not-run test as skipped;
-    :func:`stamp_junit` then adds the run's outcome.
-
-    Args:
-        rep: the run's :class:`RunReport`.
-        exitstatus: pytest's exit code.
-        suite_name: the ``<testsuite name>``.
-        path: where to write it (default ``<run>/junit.xml``).
-
-    Returns:
-        the path written.
-
+    For a run stopped before pytest's session end (Ctrl-C during start-up, collection
+    or shutdown); not-run tests are listed as skipped. ``path`` defaults to
+    ``<run>/junit.xml``.
     """
     root = ET.Element("testsuites")
     suite = ET.SubElement(root, "testsuite", name=suite_name)
@@ -404,13 +362,7 @@ OUTCOME_CASE = "tvc-run-outcome"
 
 
 def stamp_suite(suite: ET.Element, summary: dict[str, Any]) -> None:
-    """Put a run's outcome into one ``<testsuite>`` (see :func:`stamp_junit`).
-
-    Args:
-        suite: the element (changed in place).
-        summary: the run's ``summary.json`` content.
-
-    """
+    """Put a run's outcome into one ``<testsuite>``, in place (:func:`stamp_junit`)."""
     run = summary.get("run") or {}
     outcome = str(run.get("outcome", ""))
     why = outcome_reason(summary)
@@ -438,19 +390,12 @@ def stamp_suite(suite: ET.Element, summary: dict[str, Any]) -> None:
 
 
 def stamp_junit(path: Path, summary: dict[str, Any]) -> None:
-    """Put the run's outcome into a JUnit file, so a gate reading it sees it.
+    """Put the run's outcome into a JUnit file (in place), so a gate reading it sees it.
 
-    Every ``<testsuite>`` gets the properties ``tvc.run.outcome`` and
-    ``tvc.run.exit_status``; a run that did not pass (a signal, a coverage
-    gate, no tests) also gets one ``<testcase classname="tvc.run"
-    name="tvc-run-outcome">`` with a ``<failure>`` saying why
-    (:func:`outcome_reason`), counted in the suite's ``tests``/``failures`` --
-    except a run that failed because tests failed (its cases show it; the
-    counts stay those of the tests). Stamping twice changes nothing.
-
-    Args:
-        path: the JUnit XML file (rewritten in place).
-        summary: the run's ``summary.json`` content.
+    Every ``<testsuite>`` gets ``tvc.run.outcome`` and ``tvc.run.exit_status``
+    properties; a run that did not pass for another reason than failed tests also gets
+    a failing ``<testcase classname="tvc.run" name="tvc-run-outcome">``
+    (:func:`outcome_reason`). Idempotent.
 
     Raises:
         OSError, xml.etree.ElementTree.ParseError: the file cannot be read.
@@ -472,20 +417,9 @@ def finish_junit(rep: RunReport, exitstatus: int, xml: Path | None,
                  suite_name: str) -> list[Path]:
     """The run's JUnit files, complete: the user's ``--junitxml`` and the run folder's.
 
-    After :meth:`RunReport.write`: writes a fallback file where pytest wrote none
-    (:func:`write_fallback_junit`), stamps the outcome into it
-    (:func:`stamp_junit`) and, when the user chose another path with
-    ``--junitxml``, copies it to ``<run>/junit.xml`` too.
-
-    Args:
-        rep: the run's report (written).
-        exitstatus: the run's exit status.
-        xml: the JUnit path pytest was given (``config.option.xmlpath``), or None.
-        suite_name: the ini's ``junit_suite_name``.
-
-    Returns:
-        the files written.
-
+    After :meth:`RunReport.write`: writes a fallback where pytest wrote none, stamps
+    the outcome, and copies ``xml`` (``config.option.xmlpath``) when elsewhere to
+    ``<run>/junit.xml``. Returns the files written.
     """
     own = rep.run_dir / "junit.xml"
     first = Path(xml).resolve() if xml else own
@@ -519,18 +453,11 @@ SUMMARY_OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "not_run"
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """A run folder's ``summary.json``, checked to be one this suite wrote.
 
-    Args:
-        run_dir: the run folder.
-
-    Returns:
-        the parsed summary.
-
     Raises:
         RunFolderError: no such folder, no ``summary.json``, not a regular file
-            (a FIFO), over 64 MiB, nested over 64 deep, not JSON, not an
-            object, a key missing (``run``, ``counts``, ``tests``) or of the
-            wrong type (``tests[3].outcome``); the message names the file and
-            the key.
+            (a FIFO), over 64 MiB, nested over 64 deep, not JSON, not an object, a
+            key missing (``run``, ``counts``, ``tests``) or of the wrong type
+            (``tests[3].outcome``); the message names the file and the key.
 
     """
     path = Path(run_dir) / "summary.json"

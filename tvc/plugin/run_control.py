@@ -2,32 +2,14 @@
 
 Used by :mod:`tvc.plugin.hooks`; nothing here is a test.
 
-- **GPU owners in GPU lanes.** A test that starts a vLLM server, a storage
-  daemon or opens the GPU store (one of :data:`GPU_OWNER_FIXTURES`, or a test of a
-  tier in :data:`GPU_OWNER_TIERS`) gets ``xdist_group(GPU_OWNER_GROUP)``, and under
-  xdist's default ``--dist load`` the suite's scheduler (:func:`make_scheduler`)
-  sends all of them to one worker, one after another, instead of one
-  server/daemon/store per worker on the same GPU. With ``--tvc-gpu-lanes 2`` the
-  tests whose module plans its own servers (``tvc_servers``: load failures,
-  engine variants) form a second group (:data:`GPU_LANE_B`) on another worker,
-  and with 3 lanes a test that restarts its server a third (:data:`GPU_LANE_C`);
-  each lane's server pool budgets its share of the GPU (docs/servers.md).
-  (xdist's own ``loadgroup`` cannot do it with pytest >= 9.1: it renames grouped
-  items through ``item._nodeid``, which pytest no longer reads.) Each worker
-  writes the node ids of the GPU owners it collected (with their lanes) into a
-  folder the controller gave it; the scheduler reads them once every worker has
-  collected.
-- **Device variants the connector cannot run.** The contract tier's worker tests are
-  parametrised by ``device`` (``cpu``, ``cuda``); a device the profile's
-  ``connector.worker_devices`` leaves out is deselected with one line, not skipped
-  once per variant. The scenario tests' rig (the ``make_rig`` fixture, ``[cpu]``
-  and ``[cuda]``) may run a stand-in where the worker cannot run, so its ``[cpu]``
-  variants are deselected only for a CUDA-only worker on a box with a GPU: their
-  ``[cuda]`` twins run the connector's own worker.
-- **Interrupts.** An xdist worker watches its parent and exits (taking its own
-  children) when the controller is gone (SIGKILL); SIGTERM and SIGHUP stop a run
-  like Ctrl-C (:class:`TerminateLikeInterrupt`); Ctrl-C, SIGTERM or SIGHUP while
-  the run is finishing is held back until the reports are written.
+- GPU owners (:data:`GPU_OWNER_FIXTURES`, :data:`GPU_OWNER_TIERS`) run in one to three
+  xdist lanes through :func:`make_scheduler` (docs/servers.md#gpu-lanes-under-xdist).
+  xdist's own ``loadgroup`` renames items through ``item._nodeid``, which pytest
+  >= 9.1 no longer reads.
+- Device variants ``connector.worker_devices`` leaves out are deselected with one line
+  (:func:`split_device_variants`).
+- Interrupts: SIGTERM/SIGHUP stop a run like Ctrl-C, workers exit with a dead
+  controller, late signals are held until the reports are written (docs/safety.md).
 """
 
 from __future__ import annotations
@@ -51,9 +33,7 @@ GPU_OWNER_GROUP = "tvc-gpu-owners"
 GPU_LANE_B = "tvc-gpu-owners-b"  # second GPU lane: tests that plan their own servers
 GPU_LANE_C = "tvc-gpu-owners-c"  # third: tests that restart a server (a start chain)
 # fixtures that start a process on the GPU or open the GPU-direct store:
-# tvc/fixtures/vllm.py, tvc/fixtures/model.py, tvc/fixtures/trace.py,
-# tvc/fixtures/daemon.py,
-# tvc/fixtures/store.py
+# tvc/fixtures/{vllm,model,trace,daemon,store}.py
 GPU_OWNER_FIXTURES = ("vllm_server", "vllm_server_factory", "served_model",
                       "trace_campaign", "storage_daemon", "store_spec", "gpu_store")
 GPU_OWNER_TIERS = ("e2e", "trace", "real_nvme", "bandwidth")
@@ -77,13 +57,10 @@ def owns_gpu(item: pytest.Item) -> bool:
 def gpu_lane(item: pytest.Item, lanes: int = 1) -> str:
     """The xdist group of a GPU owner: lane A, B or C.
 
-    With ``lanes >= 3``, a test whose module sets ``tvc_restarts_server = True``
-    runs in lane C: its server starts one after another (start, pass, restart),
-    the longest chain of a certification, so nothing else waits behind it (on
-    the H200 it held lane B for 104 of 148 s, 2026-12-04). With ``lanes >= 2``, a
-    test whose module defines ``tvc_servers`` (it plans its own vLLM servers,
-    tvc/fixtures/vllm.py) runs in lane B; every other owner in lane A
-    (:data:`GPU_OWNER_GROUP`).
+    ``lanes >= 3``: a module with ``tvc_restarts_server = True`` runs in lane C (the
+    longest start chain: it held lane B 104 of 148 s on the H200, 2026-12-04).
+    ``lanes >= 2``: a module defining ``tvc_servers`` (tvc/fixtures/vllm.py) runs in
+    lane B. Every other owner: lane A (:data:`GPU_OWNER_GROUP`).
     """
     module = getattr(item, "module", None)
     if lanes >= 3 and getattr(module, "tvc_restarts_server", False):
@@ -94,12 +71,7 @@ def gpu_lane(item: pytest.Item, lanes: int = 1) -> str:
 
 
 def group_gpu_owners(items: Iterable[pytest.Item], lanes: int = 1) -> int:
-    """Mark every GPU owner with ``xdist_group(<its lane>)`` (:func:`gpu_lane`).
-
-    Returns:
-        the number of items marked.
-
-    """
+    """Mark every GPU owner with ``xdist_group(<its lane>)``; return how many."""
     n = 0
     for item in items:
         if owns_gpu(item):
@@ -109,18 +81,10 @@ def group_gpu_owners(items: Iterable[pytest.Item], lanes: int = 1) -> int:
 
 
 def chains_first(items: list[pytest.Item], lanes: int) -> int:
-    """Move the lane-C tests (a server restarted: :func:`gpu_lane`) to the front.
+    """Move the lane-C tests (:func:`gpu_lane`) to the front; return the count moved.
 
-    xdist's scope scheduler hands out the largest scopes first and keeps
-    collection order among equals; lane C is one test, so it waited behind the
-    single-test scopes collected before it (the whole contract tier): on the
-    H200 its worker ran 17 contract tests first and its two starts began 89 s
-    into a 173 s run, the run's critical path (2026-12-05). In front, it
-    starts with the first server wave.
-
-    Returns:
-        the number of tests moved.
-
+    xdist hands out the largest scopes first, else collection order: lane C waited
+    behind the contract tier, its starts began 89 s into a 173 s H200 run (2026-12-05).
     """
     if lanes < 3:
         return 0
@@ -137,12 +101,7 @@ OWNERS_DIR_KEY = "tvc_owners_dir"  # workerinput: the same folder
 
 def write_owner_ids(folder: Path, worker_id: str, items: Iterable[pytest.Item],
                     lanes: int = 1) -> Path:
-    """Worker side: write the node ids of the GPU owners this worker collected.
-
-    Returns:
-        ``folder/owners-<worker_id>.json`` (a JSON object: node id -> lane).
-
-    """
+    """Worker side: write ``folder/owners-<worker_id>.json`` (node id -> lane)."""
     ids = {i.nodeid: gpu_lane(i, lanes) for i in items if owns_gpu(i)}
     path = folder / f"owners-{worker_id}.json"
     tmp = path.with_suffix(".tmp")
@@ -179,15 +138,9 @@ def hw_levels(items: Iterable[pytest.Item]) -> dict[str, str]:
 
 def write_hw_levels(folder: Path, worker_id: str, items: Iterable[pytest.Item]
                     ) -> Path:
-    """Worker side: the hardware levels of the tests this worker collected.
+    """Worker side: write ``folder/hw-<worker_id>.json`` (node id -> level); return it.
 
-    The controller has node ids only; with these it can tell a test a stopped
-    run never reached that this box would have skipped (no GPU) from one that
-    would have run.
-
-    Returns:
-        ``folder/hw-<worker_id>.json`` (node id -> level).
-
+    Lets the controller tell a never-reached test this box would have skipped.
     """
     path = folder / f"hw-{worker_id}.json"
     tmp = path.with_suffix(".tmp")
@@ -207,23 +160,11 @@ def read_hw_levels(folder: Path) -> dict[str, str]:
 
 def make_scheduler(config: pytest.Config, log: Any, by_file: bool = False,
                    spread: Collection[str] = ()) -> Any:
-    """The xdist scheduler: GPU owners as one unit on one worker, the rest balanced.
+    """The xdist scheduler: GPU owners as one unit per lane, the rest balanced.
 
-    A ``LoadGroupScheduling`` (xdist's load balancing over scopes) in which every
-    GPU owner's scope is its lane (:func:`gpu_lane`); any other test is its own
-    scope, or with ``by_file`` its file's (the self-tests keep a module on one
-    worker). xdist sends the largest scopes first, so the lanes start at once.
-
-    Args:
-        config: the controller's config (holds :data:`OWNERS_DIR`).
-        log: xdist's scheduler log.
-        by_file: scope the other tests by file.
-        spread: with ``by_file``, files whose tests are each their own scope
-            (long, independent tests: one file would hold one worker).
-
-    Returns:
-        the scheduler, or None when the plugin set up no owners folder.
-
+    A ``LoadGroupScheduling`` whose GPU-owner scopes are their lanes (:func:`gpu_lane`).
+    ``by_file`` scopes the other tests by file (the self-tests keep a module on one
+    worker), except the files in ``spread``. None without an :data:`OWNERS_DIR`.
     """
     found = config.stash.get(OWNERS_DIR, None)
     if found is None:
@@ -256,10 +197,7 @@ LANES_KEY = "tvc_gpu_lanes"  # workerinput: the controller's gpu_lanes()
 
 
 def gpu_lanes(config: pytest.Config) -> int:
-    """``--tvc-gpu-lanes``, else 3 with six xdist workers or more, 2 with three.
-
-    On an xdist worker: the controller's answer (``workerinput``).
-    """
+    """``--tvc-gpu-lanes``, else 3 with >= 6 xdist workers, 2 with >= 3; workers ask."""
     given = getattr(config, "workerinput", {}).get(LANES_KEY)
     if given:
         return int(given)
@@ -277,8 +215,8 @@ def gpu_lanes(config: pytest.Config) -> int:
 def dist_line(config: pytest.Config) -> str:
     """The header line about xdist distribution ('' when xdist does not distribute).
 
-    xdist turns ``-n N`` into ``--dist load`` in its ``pytest_cmdline_main``, before
-    any ``pytest_configure``; the suite's scheduler takes ``load`` and ``loadgroup``.
+    The suite's scheduler takes ``load`` and ``loadgroup`` (xdist turns ``-n N`` into
+    ``--dist load`` before any ``pytest_configure``).
     """
     dist = getattr(config.option, "dist", "no")
     if dist == "no" or not getattr(config.option, "tx", None):
@@ -309,16 +247,9 @@ def split_device_variants(items: Sequence[pytest.Item],
                           ) -> tuple[list[pytest.Item], dict[str, list[pytest.Item]]]:
     """Split off the device variants the connector's worker side cannot run.
 
-    Args:
-        items: the collected items.
-        worker_devices: the profile's ``connector.worker_devices``.
-        gpu_here: the box has a CUDA GPU (hardware level ``gpu``).
-
-    Returns:
-        (kept items, device -> deselected items): every ``device`` variant the
-        worker cannot run; the ``make_rig`` ``[cpu]`` variants of a CUDA-only
-        worker where a GPU is here.
-
+    ``worker_devices`` is ``connector.worker_devices``; ``gpu_here``: the box has a
+    CUDA GPU. Returns (kept items, device -> deselected items); a ``make_rig`` ``[cpu]``
+    variant goes only for a CUDA-only worker where a GPU is here.
     """
     keep: list[pytest.Item] = []
     dropped: dict[str, list[pytest.Item]] = {}
@@ -382,15 +313,9 @@ def kill_descendants(grace_s: float = CHILD_GRACE_S) -> None:
 
 
 def signal_children(signum: int) -> list[int]:
-    """Send ``signum`` to this process's direct children (xdist workers).
+    """Send ``signum`` to this process's direct children (xdist workers); return pids.
 
-    A SIGTERM sent to the controller alone (``kill PID``, a CI runner stopping its
-    job) reaches no worker; forwarded, each worker stops its test like Ctrl-C
-    (:class:`TerminateLikeInterrupt`) and tears down what it started.
-
-    Returns:
-        the pids signalled.
-
+    A SIGTERM sent to the controller alone (``kill PID``, CI) reaches no worker.
     """
     import psutil
 
@@ -408,20 +333,10 @@ def signal_children(signum: int) -> list[int]:
 
 def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S
                  ) -> threading.Thread:
-    """Exit this process (and its children) once ``parent_pid`` is no longer its parent.
+    """Exit this process (and children) once ``parent_pid`` is no longer its parent.
 
-    An xdist worker's parent is the controller. A SIGKILLed controller cannot tell
-    its workers to stop, and a worker blocked on a test or a server would live on,
-    holding the GPU. Linux re-parents an orphan (to init or a subreaper), so a
-    changed ``os.getppid()`` means the controller is gone.
-
-    Args:
-        parent_pid: the controller's pid (``os.getppid()`` at start-up).
-        interval_s: poll period in seconds.
-
-    Returns:
-        the (daemon) watcher thread, started.
-
+    A SIGKILLed xdist controller cannot stop its workers; Linux re-parents an orphan.
+    Polls every ``interval_s`` s; returns the started daemon thread.
     """
     def watch() -> None:
         while True:
@@ -441,27 +356,11 @@ def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S
 class HoldInterrupts:
     """Hold Ctrl-C (SIGINT) back while the run writes its reports.
 
-    A Ctrl-C during xdist's worker shutdown or pytest's report writing would
-    otherwise abort that code with a long ``KeyboardInterrupt`` traceback and leave
-    no reports. Inside the ``with`` block the first two SIGINTs are counted (one
-    line says so); the third raises ``KeyboardInterrupt`` as before. Only the main
-    thread can set signal handlers; elsewhere this does nothing.
-
-    SIGTERM and SIGHUP are held the same way (one count each).
-
-    An xdist worker holds them silently (``announce=False``): its SIGINT while
-    finishing is execnet's own (``WorkerGateway._terminate_execution`` sends one to
-    the worker whose main thread still runs 5 s after the controller closed the
-    gateway, as a worker's clean-up does on a loaded box), not a user's; a user's
-    Ctrl-C reaches the controller, which says so.
-
-    Args:
-        announce: print the line on the first signal.
-
-    Attributes:
-        count: SIGINTs, SIGTERMs and SIGHUPs received inside the block.
-        signum: the first SIGTERM/SIGHUP received inside the block, or None.
-
+    The first two SIGINTs (and each SIGTERM/SIGHUP) are counted in ``count`` (the first
+    SIGTERM/SIGHUP in ``signum``); the third SIGINT raises ``KeyboardInterrupt``. Main
+    thread only. An xdist worker holds silently (``announce=False``): its late SIGINT
+    is execnet's (``WorkerGateway._terminate_execution``, 5 s after the gateway
+    closed).
     """
 
     LIMIT = 3
@@ -504,19 +403,10 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # CI runners, Kubernetes,
 
 
 class TerminateLikeInterrupt:
-    """SIGTERM and SIGHUP stop the run the way Ctrl-C does, and are remembered.
+    """SIGTERM and SIGHUP stop the run the way Ctrl-C does; ``signum`` keeps which.
 
-    Their default action kills the interpreter on the spot: no pytest shutdown, no
-    ``summary.json``, no ``junit.xml``, servers and stores left behind. While
-    installed, either signal raises ``KeyboardInterrupt`` in the main thread, so
-    pytest (and xdist) stop the run, fixtures tear down their servers and workers,
-    the store folders are removed and the reports are written; :attr:`signum` lets
-    the reports say ``terminated`` instead of ``interrupted``. Only the main
-    thread can set handlers; a signal whose handler someone else set is left alone.
-
-    Attributes:
-        signum: the first terminating signal received, or None.
-
+    While installed, either raises ``KeyboardInterrupt`` in the main thread, so fixtures
+    tear down and reports are written. A handler someone else set is left alone.
     """
 
     def __init__(self) -> None:
@@ -547,21 +437,10 @@ class TerminateLikeInterrupt:
 class QuietWorkerStart:
     """Ctrl-C during xdist's worker start reaches the controller, not the workers.
 
-    A worker is a fresh ``python -c`` that imports execnet before pytest; a SIGINT
-    then (the terminal sends it to every process of the group) prints the
-    worker's interpreter traceback over the output. While the controller spawns
-    a worker, SIGINT is blocked in its main thread (``pthread_sigmask``; the mask
-    is inherited by the child), so the new worker starts with SIGINT held. The
-    kernel may still hand the controller's SIGINT to another of its threads (a
-    native library's, which the mask does not cover); Python would then raise
-    KeyboardInterrupt in the main thread in the middle of a spawn, leaving a
-    worker that never gets its bootstrap and prints a traceback when its stdin
-    closes (seen in CI). So the controller's handler only records the SIGINT
-    until the spawn is over. After each spawn a held or recorded Ctrl-C stops the
-    start and is handed to the previous handler, synchronously. The worker
-    releases SIGINT in its ``pytest_configure`` (:func:`release_worker_sigint`),
-    dropping a Ctrl-C held during its start: the controller got the same one
-    and stops the workers.
+    While a worker spawns, SIGINT is blocked in the controller's main thread
+    (``pthread_sigmask``, inherited by the child); a SIGINT on another thread is
+    only recorded. After each spawn a held Ctrl-C goes to the previous handler;
+    the worker unblocks in :func:`release_worker_sigint`.
     """
 
     def __init__(self, workers: int) -> None:
@@ -590,13 +469,8 @@ class QuietWorkerStart:
     def stop(self) -> None:
         """Put the previous handler back, unblock SIGINT, deliver a held Ctrl-C.
 
-        A Ctrl-C held or recorded meanwhile is taken off the pending set and handed
-        to the previous handler here, synchronously, between two spawns.
-
-        Raises:
-            KeyboardInterrupt: a Ctrl-C was held and the previous handler is the
-                default one.
-
+        Raises KeyboardInterrupt when one was held and the previous handler is
+        the default one.
         """
         if not self.blocked:
             return
@@ -617,11 +491,9 @@ class QuietWorkerStart:
 
 
 def release_worker_sigint() -> bool:
-    """In a worker (see :class:`QuietWorkerStart`): unblock SIGINT, drop one held.
+    """In a worker (:class:`QuietWorkerStart`): unblock SIGINT, drop one held.
 
-    Returns:
-        True when SIGINT was blocked.
-
+    Returns True when SIGINT was blocked.
     """
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -636,20 +508,12 @@ def release_worker_sigint() -> bool:
 
 
 class DeferInterrupts:
-    """Defer Ctrl-C during pytest's start-up (conftests, option parsing).
+    """Defer Ctrl-C, SIGTERM and SIGHUP during pytest's start-up.
 
-    SIGTERM and SIGHUP are deferred the same way (:attr:`signum` keeps which).
-    A KeyboardInterrupt raised while pytest loads conftests or parses options
-    escapes pytest with Python's full traceback and leaves no reports. The plugin
-    installs this from ``pytest_load_initial_conftests`` until its
-    ``pytest_configure``, which re-raises a deferred Ctrl-C once the run folder is
-    open (pytest then reports the run as interrupted). :meth:`restore` also runs as a
-    config clean-up, so an early exit (usage error) puts the handler back.
-
-    Attributes:
-        count: signals deferred.
-        signum: the first SIGTERM/SIGHUP deferred, or None.
-
+    Installed from ``pytest_load_initial_conftests``; ``pytest_configure`` re-raises a
+    deferred signal once the run folder is open. :meth:`restore` is also a config
+    clean-up (an early usage error). ``count``: signals deferred; ``signum``: the
+    first SIGTERM/SIGHUP, or None.
     """
 
     def __init__(self) -> None:
@@ -683,20 +547,11 @@ class DeferInterrupts:
 
 
 def defer_while_plugins_load() -> DeferInterrupts | None:
-    """Defer Ctrl-C from the moment pytest imports the suite's plugin entry point.
+    """Defer Ctrl-C from the moment pytest imports the plugin; the deferral, or None.
 
-    pytest imports every ``pytest11`` entry point before any hook runs; a Ctrl-C
-    then ends in an interpreter traceback from whatever module was importing.
-    Called at the top of :mod:`tvc.plugin.hooks` while ``load_setuptools_entrypoints``
-    is on the stack, this defers SIGINT from there; the plugin's
-    ``pytest_load_initial_conftests`` hands the deferral to the suite's run
-    (re-raised once the run folder is open) or, in anyone else's run, restores
-    the handler and raises a deferred Ctrl-C at once. Imported any other way,
-    nothing is done.
-
-    Returns:
-        the installed deferral, or None.
-
+    Acts only under ``load_setuptools_entrypoints``; ``pytest_load_initial_conftests``
+    hands it to the suite's run or, in anyone else's run, restores the handler and
+    raises a deferred Ctrl-C at once.
     """
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:

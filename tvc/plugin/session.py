@@ -1,12 +1,8 @@
 """Run-wide state: the profile, the hardware probe, strict mode, seed, run folder.
 
-Set once per pytest run by :mod:`tvc.plugin.hooks` in ``pytest_configure`` (before
-collection) on ``config.stash`` under :data:`STATE_KEY`. Tests and fixtures take it
-from the session fixtures of :mod:`tvc.fixtures.run_state` (``tvc_profile``,
-``tvc_hw``, ``tvc_strict``, ``tvc_seed``, ``tvc_run_dir``), which a user's
-``conftest.py`` may override; hooks and machinery that run outside a fixture read it
-with :func:`run_state` from the config they are given. There is no module global:
-nested pytest runs in one process (``pytester``) each keep their own state.
+Set once per run by :mod:`tvc.plugin.hooks` on ``config.stash`` (:data:`STATE_KEY`);
+tests read it through :mod:`tvc.fixtures.run_state`, hooks with :func:`run_state`.
+No module global: nested pytest runs (``pytester``) each keep their own state.
 """
 
 from __future__ import annotations
@@ -29,19 +25,13 @@ class RunState:
 
     Attributes:
         profile: the loaded target profile.
-        hw: the hardware probe (see :func:`tvc.env.hardware.probe`).
+        hw: the hardware probe (:func:`tvc.env.hardware.probe`).
         require: hardware levels whose absence fails instead of skipping.
-        seed: the run seed for generated prompts (``--tvc-seed``, ``TVC_SEED``, else
-            random per run; xdist workers take the controller's); recorded in the
-            reports as ``run.seed``.
-        seed_source: where ``seed`` came from (``--tvc-seed``, ``TVC_SEED``,
-            ``random``, ``controller``).
-        run_dir: the run folder (``junit.xml``, ``summary.json``, ``logs/``,
-            ``trace/``, ``bandwidth.json``), the same on the xdist controller and its
-            workers; None when the run writes no reports (``--collect-only``,
-            ``--help``...). Files a test writes here reach the summary page.
-        depth: how deep the contract tier goes (``--tvc-depth``,
-            :mod:`tvc.config.depth`).
+        seed: the run seed for generated prompts (``run.seed`` in the reports).
+        seed_source: ``--tvc-seed``, ``TVC_SEED``, ``random`` or ``controller``.
+        run_dir: the run folder, the same on xdist controller and workers; None when
+            the run writes no reports. Files a test writes here reach the summary page.
+        depth: how deep the contract tier goes (:mod:`tvc.config.depth`).
 
     """
 
@@ -68,8 +58,8 @@ def run_state(config: pytest.Config) -> RunState:
     """Return the run state of ``config``.
 
     Raises:
-        RuntimeError: ``config`` is not a pytest run configured by this suite
-            (the plugin is inert there, or ``pytest_configure`` has not run yet).
+        RuntimeError: ``config`` is not a suite run, or ``pytest_configure`` has not
+            run yet.
 
     """
     state = config.stash.get(STATE_KEY, None)
@@ -85,7 +75,7 @@ def active(config: pytest.Config) -> bool:
 
 
 def run_dir(config: pytest.Config | None) -> Path | None:
-    """The run folder (see :attr:`RunState.run_dir`); None outside a suite run.
+    """The run folder (:attr:`RunState.run_dir`); None outside a suite run.
 
     ``config`` may be None (a caller without a pytest config): then None.
     """
@@ -98,9 +88,8 @@ def missing_hardware(level: str, detail: str = "", *, hw: dict[str, Any],
                      strict: Collection[str]) -> None:
     """Skip (or, in strict mode, fail) because a hardware level is absent.
 
-    Every hardware skip in the suite goes through here so that ``--tvc-require`` can
-    turn it into a failure and a GPU gate cannot pass by skipping. Tests and
-    fixtures call it through the ``tvc_missing_hardware`` fixture.
+    Every hardware skip goes through here (the ``tvc_missing_hardware`` fixture), so
+    ``--tvc-require`` can turn it into a failure and a GPU gate cannot pass by skipping.
 
     Args:
         level: a level from :data:`tvc.env.hardware.LEVELS` (``gpu``, ``nvme``).

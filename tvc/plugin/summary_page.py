@@ -1,20 +1,11 @@
 """One-page run summary (Markdown and HTML, with PNG charts) from a run folder.
 
-Reads ``<run>/summary.json`` (see :mod:`tvc.plugin.report`), the trace tier's
-``<run>/trace/<variant>-<mode>.json`` and ``<run>/trace/ttft.json``
-(:mod:`tvc.trace.bench`), and the bandwidth tier's ``<run>/bandwidth.json`` and
-``<run>/bandwidth.png`` (``suites/bandwidth``). Without ``bandwidth.json`` the
-bandwidth table lists the GB/s figures among the tests' properties (a numeric
-property whose name mentions ``gbps``/``gb_s``/``gb/s``).
-Writes ``<run>/summary.md``, ``<run>/summary.html`` (self-contained: charts embedded)
-and ``<run>/charts/*.png``. The bandwidth chart is the tier's own ``bandwidth.png``
-when present, else one line per direction against the I/O size with the one
-threshold line, drawn from ``bandwidth.json``. Charts need matplotlib (the ``plots``
-extra, Agg backend); without it the page is written without charts and says so.
-
-Command line::
-
-    python3 -m tvc.plugin.summary_page reports/latest
+Reads ``summary.json`` (:mod:`tvc.plugin.report`), the trace tier's
+``trace/<variant>-<mode>.json`` and ``trace/ttft.json`` (:mod:`tvc.trace.bench`) and
+the bandwidth tier's ``bandwidth.json``/``bandwidth.png``; writes ``summary.md``,
+a self-contained ``summary.html`` and ``charts/*.png``. Charts need matplotlib (the
+``plots`` extra); without it the page says so. Entry point :func:`write_page`, or
+``python3 -m tvc.plugin.summary_page reports/latest``; see docs/reports.md.
 """
 
 from __future__ import annotations
@@ -68,19 +59,14 @@ def run_started(summary: Mapping[str, Any]) -> float | None:
 def load_run(run_dir: Path) -> dict[str, Any]:
     """Everything the page shows, read from a run folder.
 
-    Tier outputs older than the run (``run.started_utc`` in summary.json, less
-    :data:`STALE_SLACK_S`) are left out: a reused run folder still holds an earlier
-    run's trace and bandwidth files, which must not pass for this run's.
-
-    Args:
-        run_dir: the run folder.
+    Tier outputs older than ``run.started_utc`` (less :data:`STALE_SLACK_S`) are left
+    out: a reused run folder still holds an earlier run's files.
 
     Returns:
         dict with ``summary`` (summary.json or {}), ``trace`` ((variant, mode) ->
         figures), ``gain`` (ttft.json or {}), ``bandwidth`` (list of
-        ``{"test", "name", "value", "limit"}``), ``bandwidth_run``
-        (bandwidth.json or {}), ``bandwidth_png`` (the tier's chart or None),
-        ``stale`` (names of the files left out as older than the run).
+        ``{"test", "name", "value", "limit"}``), ``bandwidth_run`` (bandwidth.json or
+        {}), ``bandwidth_png`` (the tier's chart or None), ``stale`` (files left out).
 
     """
     summary: dict[str, Any] = {}
@@ -123,9 +109,8 @@ def bandwidth_rows(bw_run: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per I/O size, the median GB/s of each direction, from ``bandwidth.json``.
 
     Args:
-        bw_run: the tier's ``bandwidth.json`` (``{"write": {size: summary},
-            "read": {...}, "threshold_gbps": float, ...}``; sizes in bytes, as
-            strings after JSON).
+        bw_run: ``{"write": {size: summary}, "read": {...}, "threshold_gbps": float,
+            ...}``; sizes in bytes, as strings after JSON.
 
     Returns:
         rows ``{"size": bytes, "write": GB/s | None, "read": GB/s | None}`` by size.
@@ -151,12 +136,10 @@ def size_label(size: int) -> str:
 
 
 def bandwidth_figures(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Numeric GB/s properties of the run's tests (tolerant of any naming).
+    """Numeric GB/s properties of the run's tests, in test order.
 
-    Returns:
-        list of ``{"test": short test name, "name": property, "value": GB/s,
-        "limit": bool}`` in test order.
-
+    Any property named with ``gbps``, ``gb/s``...: ``{"test": short test name, "name":
+    property, "value": GB/s, "limit": bool}``.
     """
     out = []
     for t in summary.get("tests", []):
@@ -176,9 +159,9 @@ def tier_table(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per tier: outcome counts and the non-passed tests with their reasons.
 
     Returns:
-        rows ``{"tier", <each of OUTCOMES>, "problems"}`` in
-        ladder order (tests without a tier marker under ``other``); ``problems`` is
-        a list of ``(outcome, reason, [test names])`` with equal reasons merged.
+        rows ``{"tier", <each of OUTCOMES>, "problems"}`` in ladder order (no tier
+        marker: ``other``); ``problems`` is ``(outcome, reason, [test names])`` with
+        equal reasons merged.
 
     """
     rows: dict[str, dict[str, Any]] = {}
@@ -204,16 +187,10 @@ def tier_table(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def name_list(names: list[str], limit: int = NAMES_SHOWN,
               quote: Callable[[str], str] | None = None) -> str:
-    """Every test name of a merged reason, so a reader sees which tests it covers.
+    """Every test name of a merged reason: ``a, b, c, d and 3 more``.
 
-    Args:
-        names: test names (the last part of the node id) sharing one reason.
-        limit: names written out before the rest is counted (``and N more``).
-        quote: how one name is written; default Markdown code (`` `name` ``).
-
-    Returns:
-        ``a``; ``a and b``; ``a, b and c``; or ``a, b, c, d and 3 more``.
-
+    ``limit`` names are written out before the rest is counted; ``quote`` writes
+    one name (default Markdown code, `` `name` ``).
     """
     quote = quote or (lambda n: f"`{n}`")
     shown = [quote(n) for n in names[:limit]]
@@ -226,11 +203,7 @@ def name_list(names: list[str], limit: int = NAMES_SHOWN,
 
 
 def fold_names(names: list[str]) -> list[str]:
-    """Test names with their parameters folded, in order: each test once.
-
-    ``["t[a]", "t[b]", "u"]`` -> ``["t[a, b]", "u"]``: a list of 170 variants
-    reads as the few tests they are.
-    """
+    """Fold parameters: ``["t[a]", "t[b]", "u"]`` -> ``["t[a, b]", "u"]``."""
     groups: dict[str, list[str]] = {}
     for n in names:
         base, _, param = str(n).partition("[")
@@ -240,12 +213,7 @@ def fold_names(names: list[str]) -> list[str]:
 
 
 def standin_tests(summary: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Tests that ran with a stand-in worker (property ``worker``), by stand-in.
-
-    Returns:
-        ``"stand-in: <hook>"`` -> test names (last part of the node id).
-
-    """
+    """Tests that ran with a stand-in worker: ``"stand-in: <hook>"`` -> test names."""
     out: dict[str, list[str]] = {}
     for t in summary.get("tests", []):
         label = str((t.get("properties") or {}).get("worker", ""))
@@ -304,15 +272,9 @@ def chart_ttft_cdf(trace: Mapping[tuple[str, str], Mapping[str, Any]], out: Path
 
 
 def chart_bandwidth(bw_run: Mapping[str, Any], out: Path) -> Path | None:
-    """GB/s against I/O size: one line per direction, one threshold line.
+    """GB/s against I/O size, one line per direction, one threshold line.
 
-    Args:
-        bw_run: the tier's ``bandwidth.json`` (see :func:`bandwidth_rows`).
-        out: the charts folder.
-
-    Returns:
-        ``out/bandwidth.png``, or None when ``bw_run`` has no figures.
-
+    ``out/bandwidth.png``, or None when ``bw_run`` (:func:`bandwidth_rows`) has none.
     """
     rows = bandwidth_rows(bw_run)
     if not rows:
@@ -465,10 +427,8 @@ def header_facts(s: Mapping[str, Any]) -> list[tuple[str, str]]:
 def provenance_facts(prov: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Header rows naming exactly what was tested (``summary.json`` ``provenance``).
 
-    Returns:
-        ``("suite", ...)``, ``("vLLM source", ...)`` and one ``("connector
-        package", ...)`` per package; none for a summary written before provenance.
-
+    ``("suite", ...)``, ``("vLLM source", ...)`` and one ``("connector package", ...)``
+    per package; none for a summary written before provenance.
     """
     from tvc.report.provenance import one_line
 
@@ -481,12 +441,8 @@ def provenance_facts(prov: Mapping[str, Any]) -> list[tuple[str, str]]:
 def deselected_text(rows: list[Mapping[str, Any]]) -> str:
     """``e2e 5, trace 6 (-m 'level1'); contract 24 ([cpu] worker variants: ...)``.
 
-    Args:
-        rows: ``summary.json``'s ``deselected`` (``[{"tier", "count", "why"}]``).
-
-    Returns:
-        one clause per reason, tiers in ladder order; ``none`` when empty.
-
+    One clause per reason of ``summary.json``'s ``deselected``, tiers in ladder order;
+    ``none`` when empty.
     """
     if not rows:
         return "none"
@@ -518,15 +474,10 @@ def _counted(d: Any) -> str:
 def exploration_rows(s: Mapping[str, Any]) -> list[list[str]]:
     """One row per exploration test (property ``exploration``, the contract tier).
 
-    Args:
-        s: ``summary.json``; an exploration test records its
-            :class:`tvc.contract.explore.Stats` as the ``exploration`` property.
-
     Returns:
-        rows of strings in :data:`EXPLORATION_HEAD` order; ``worker`` is the
-        test's ``worker`` property (``stand-in: ...``: no KV bytes moved) or
-        ``real``; ``sequences`` counts the fixed and the drawn ones, ``seeds``
-        the hypothesis seed of each round (the run's seed, then + 1 ...).
+        rows in :data:`EXPLORATION_HEAD` order, from each test's
+        :class:`tvc.contract.explore.Stats`; ``worker`` is ``stand-in: ...`` (no KV
+        bytes moved) or ``real``; ``seeds`` the hypothesis seed of each round.
 
     """
     rows = []
@@ -562,12 +513,10 @@ def _catalogued(s: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
 
 def slowest_tests(summary: Mapping[str, Any], limit: int = SLOWEST_SHOWN
                   ) -> list[dict[str, str]]:
-    """The run's slowest tests, slowest first (call phase, from ``summary.json``).
+    """The run's slowest tests by call phase, slowest first.
 
-    Returns:
-        up to ``limit`` dicts with ``nodeid``, ``outcome`` and ``seconds``
-        (text, one decimal); tests under 0.05 s (skips) are left out.
-
+    Up to ``limit`` dicts with ``nodeid``, ``outcome`` and ``seconds`` (text, one
+    decimal); tests under 0.05 s (skips) are left out.
     """
     timed = [t for t in summary.get("tests") or ()
              if isinstance(t.get("duration_s"), (int, float))
@@ -581,21 +530,9 @@ def page_model(data: Mapping[str, Any], charts: Mapping[str, Path | None],
                note: str = "") -> dict[str, Any]:
     """Everything the page templates show, as plain values (strings, lists).
 
-    What failed comes first, one entry per cause (:func:`tvc.plugin.findings.causes`:
-    a catalogued defect by its key, any other failure by its normalised first
-    line) with every test it failed and the command that reruns the first;
-    then the known defects accepted, the tests that never ran, the tier table,
-    the skips by reason with counts, what passed by tier, and the tier
-    sections (coverage, exploration, trace, timeline, bandwidth).
-
-    Args:
-        data: :func:`load_run`'s dict (plus ``run_dir``, ``timeline``).
-        charts: name -> PNG path (``ttft``, ``bandwidth``, ``timeline``).
-        note: one sentence about what the page left out, or ``""``.
-
-    Returns:
-        the template context.
-
+    What failed comes first, one entry per cause (:func:`tvc.plugin.findings.causes`).
+    ``data`` is :func:`load_run`'s dict (plus ``run_dir``, ``timeline``), ``charts``
+    name -> PNG path, ``note`` a sentence about what the page left out.
     """
     s = data["summary"]
     word, why = verdict(s)
@@ -710,16 +647,7 @@ def _names(names: list[str], limit: int = NAMES_SHOWN, html: bool = False) -> st
 
 
 def render(template: str, context: Mapping[str, Any]) -> str:
-    """Render one of the package's templates (``tvc/plugin/templates``).
-
-    HTML templates (``*.html.j2``) escape every value; Markdown ones do not.
-
-    Args:
-        template: e.g. ``summary.md.j2``, ``fleet.html.j2``.
-        context: the values it shows (:func:`page_model`).
-
-    Returns:
-        the text.
+    """Render one of ``tvc/plugin/templates`` (``*.html.j2`` escape every value).
 
     Raises:
         jinja2.TemplateNotFound, jinja2.UndefinedError: a broken installation.
@@ -756,15 +684,12 @@ def write_page(run_dir: str | Path, notes: list[str] | None = None
                ) -> dict[str, Path]:
     """Write ``summary.md``, ``summary.html`` and the charts of a run folder.
 
-    Args:
-        run_dir: the run folder (with ``summary.json``).
-        notes: when given, a sentence is appended for what the page left out
-            (charts without matplotlib), for the caller to print once.
+    ``notes``, when given, gets a sentence for what the page left out (charts
+    without matplotlib), for the caller to print once.
 
     Returns:
         name -> path of every file written or embedded (``markdown``, ``html``,
-        ``ttft``, ``bandwidth``; ``bandwidth`` may be the tier's own
-        ``<run>/bandwidth.png``).
+        ``ttft``, ``bandwidth``; ``bandwidth`` may be the tier's own PNG).
 
     """
     run_dir = Path(run_dir).resolve()

@@ -1,32 +1,12 @@
 """A certification: a fixed set of tests and a result file another tool can check.
 
-**The certification set** of a profile P at hardware levels H (``tvc certify``'s
-strict levels: ``gpu``, plus ``gpu2``/``nvme`` when P claims them) is every test
-``tvc certify P`` collects (every tier, the suite's own deselection of device
-variants P's connector cannot run), whose hardware marker is ``hw_any`` or a level
-in H. Tests of other levels (``hw_gpu2`` for a profile that claims no TP 2) are
-outside it. It depends on the suite's tests and on P only, so ``tvc verify`` can
-collect it again (:mod:`tvc.plugin.certset`).
-
-**A certification** holds when every test of the set is in the run's results and
-
-- passed, or
-- is a known defect P lists (``[[known_failures]]``, a strict xfail, for the
-  run's vLLM), or
-- skipped itself as not applicable to P (the connector offers nothing to check,
-  P does not claim the feature) -- never for missing hardware;
-
-nothing of the set may be deselected, missing, failed, errored or unrun.
-
-**``certification.json``** (:func:`build`) records the suite (version and a
-digest of its tests), the profile (name, connector, a digest of its files), the
-levels, the versions and box, the run, the set (size and digest), every result
-with its judgement, and a SHA-256 ``digest`` of all of that plus the
-``summary.json`` it was made from. :func:`check` refuses a file whose digest or
-summary does not match, made with other tests or another profile, or whose set
-misses a test collected again. The digest makes an edited file fail; it is no
-signature (anyone with the suite can recompute it): sign the file to carry trust
-across teams.
+The certification set of profile P is every test ``tvc certify P`` collects whose
+hardware marker is ``hw_any`` or one of P's :func:`claimed_levels`; it holds when
+each passed, is a known defect P lists, or skipped as not applicable (never for
+missing hardware). :func:`build` writes ``certification.json`` with a SHA-256
+``digest``; :func:`check` (``tvc verify``) refuses a mismatch. The digest is no
+signature: sign the file to carry trust across teams. See
+docs/cli.md#tvc-verify-run_dir.
 """
 
 from __future__ import annotations
@@ -57,10 +37,7 @@ def canonical(doc: Mapping[str, Any]) -> bytes:
 
 
 def tests_digest(suites: Path) -> str:
-    """Digest of the suite's tests: every ``*.py`` under ``suites`` (path, bytes).
-
-    The same in a checkout and in the installed wheel (``tvc/suites`` is a copy).
-    """
+    """Digest of every ``*.py`` under ``suites`` (path, bytes); wheel = checkout."""
     h = hashlib.sha256()
     for p in sorted(suites.rglob("*.py")):
         if "__pycache__" in p.parts:
@@ -88,17 +65,9 @@ def profile_info(profile: Any) -> dict[str, str]:
 def claimed_levels(profile: Any) -> list[str]:
     """The hardware levels a profile claims: its certification's strict levels.
 
-    ``gpu`` always; ``gpu2`` when a tensor-parallel size above 1 or a
-    prefill/decode pair is claimed (``[vllm] tensor_parallel_sizes``,
-    ``[pd] enabled``); ``nvme`` when it has a store (``[store] path`` or
-    ``[daemon] device_globs``).
-
-    Args:
-        profile: a loaded :class:`tvc.config.profile.Profile`.
-
-    Returns:
-        the levels, in that order.
-
+    ``gpu`` always; ``gpu2`` when ``[vllm] tensor_parallel_sizes`` has one above 1 or
+    ``[pd] enabled``; ``nvme`` with ``[store] path`` or ``[daemon] device_globs``.
+    In that order.
     """
     need = ["gpu"]
     if any(n > 1 for n in profile["vllm"]["tensor_parallel_sizes"]) or profile[
@@ -133,10 +102,8 @@ def judge(entry: Mapping[str, Any] | None, known: str, deselected: str,
         entry: its ``summary.json`` entry, or None when the run has none.
         known: the profile's known-defect reason for it ('' when none).
         deselected: how the run's user deselected tests ('' when none).
-        levels: the certified hardware levels: a skip for missing hardware of
-            another level (a ``hw_any`` gloo variant that needs ``gpu2`` on a
-            CUDA host with one GPU) is outside the certification, as the tests
-            marked with that level are.
+        levels: the certified hardware levels; a skip for missing hardware of
+            another level (a ``hw_any`` gloo variant needing ``gpu2``) is outside.
 
     """
     if entry is None:
@@ -255,10 +222,7 @@ def digest_ok(doc: Mapping[str, Any]) -> bool:
 
 
 def junit_outcomes(junit: bytes) -> dict[str, str]:
-    """``classname::name`` -> ``failed``, ``error``, ``skipped`` or ``passed``.
-
-    Read from a JUnit file; ``a/b/test_c.py::t`` is ``a.b.test_c::t`` there.
-    """
+    """``classname::name`` -> ``failed``/``error``/``skipped``/``passed`` (JUnit)."""
     import xml.etree.ElementTree as ET
 
     out = {}
@@ -286,7 +250,7 @@ def check(doc: Mapping[str, Any], summary: Mapping[str, Any] | None,
           summary_bytes: bytes | None, collected: Mapping[str, str],
           suite: Mapping[str, str], profile: Any,
           junit: bytes | None = None) -> list[str]:
-    """Why a certification does not hold ([] when it does).
+    """Why a certification does not hold ([] when it does), one line per reason.
 
     Args:
         doc: the ``certification.json`` (:func:`read`).
@@ -297,10 +261,6 @@ def check(doc: Mapping[str, Any], summary: Mapping[str, Any] | None,
         profile: the profile, loaded again.
         junit: the run folder's ``junit.xml``: a test it shows red, skipped or
             absent while ``summary.json`` says passed is refused.
-
-    Returns:
-        one line per reason: the digest, the summary, the suite, the profile,
-        the set, or a test of the set that did not pass.
 
     """
     if not digest_ok(doc):

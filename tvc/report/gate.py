@@ -1,20 +1,11 @@
 """The GPU gate: certify each built-in profile the host can run; one table.
 
-``python -m tvc.report.gate [--profiles P ...] [--timeout-s S] [--reports DIR]``
-runs ``tvc certify`` (:func:`tvc.cli.certify`: every tier, strict, one run folder)
-for each profile in turn and prints one Markdown table: profile, verdict, counts,
-time, critical path. ``scripts/gpu/gate.sh`` runs it on the GPU host from the
-staged vLLM bundle; every change to tests or machinery is checked with it there
-before an issue is resolved (a false red once reached ``certify`` on the H200
-unseen: the CPU CI cannot see the GPU host).
-
-A row passes the gate when its profile is ``CERTIFIED`` (known upstream defects
-the profile lists are accepted by certify itself), or, for a real target (not a
-reference profile), when every red is a catalogued finding
-(:data:`tvc.plugin.findings.CATALOGUE`, read back from ``summary.json``), or when
-the host cannot run it at all (certify refused before any test: the row says
-why). A reference profile must be certified. Exit status: 0 when every row
-passes, 1 otherwise.
+``python -m tvc.report.gate [--profiles P ...] [--timeout-s S] [--reports DIR]`` runs
+:func:`tvc.cli.certify` per profile and prints a Markdown table (verdict, counts,
+time, critical path); ``scripts/gpu/gate.sh`` runs it on the GPU host. A row passes
+when ``CERTIFIED``, or for a real target (not a reference profile) when every red is
+in :data:`tvc.plugin.findings.CATALOGUE` or the host cannot run it at all. Exit
+status 0 when every row passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -53,7 +44,6 @@ class GateRow:
     """One profile's line of the gate's table.
 
     Attributes:
-        profile: the profile name.
         verdict: certify's verdict (``CERTIFIED``, ``NOT certified``, ...), or
             ``NOT RUN`` / ``TIMED OUT``.
         counts: outcome -> number, from ``summary.json``.
@@ -102,17 +92,9 @@ def row_from_run(profile: str, rc: int | None, seconds: float, output: str,
                  run_dir: Path | None = None) -> GateRow:
     """The gate's row for one certify command.
 
-    Args:
-        profile: the profile certified.
-        rc: certify's exit status; None when the gate's timeout stopped it.
-        seconds: its wall time (s).
-        output: what it printed (stdout and stderr).
-        run_dir: its run folder (default: the one its output names).
-
-    Returns:
-        the row; counts, findings and the critical path come from the run
-        folder's ``summary.json`` and ``timeline.json`` when they exist.
-
+    ``rc`` is None when the gate's timeout stopped it; ``seconds`` is wall time (s);
+    ``output`` is stdout and stderr; ``run_dir`` defaults to the one ``output`` names.
+    Counts, findings and the critical path come from its run folder when there.
     """
     lines = output.splitlines()
     if run_dir is None:
@@ -150,12 +132,7 @@ def _counts(c: Mapping[str, int]) -> str:
 
 
 def table(rows: Iterable[GateRow]) -> str:
-    """The gate's Markdown table, then one line per row's reds and notes.
-
-    Returns:
-        the text, ending with ``gate: PASS`` or ``gate: FAIL (...)``.
-
-    """
+    """The gate's Markdown table and notes, ending ``gate: PASS`` or ``gate: FAIL``."""
     rows = list(rows)
     out = ["| profile | verdict | counts | time | critical path |",
            "|---|---|---|---|---|"]
@@ -184,20 +161,10 @@ def table(rows: Iterable[GateRow]) -> str:
 
 def certify_one(profile: str, timeout_s: float, reports: Path,
                 env: Mapping[str, str] | None = None) -> GateRow:
-    """Run ``tvc certify PROFILE`` once, with a wall-clock limit.
+    """Run ``tvc certify PROFILE`` once, with a wall-clock limit of ``timeout_s`` s.
 
-    The limit sends SIGINT first (pytest then tears its servers down and
-    writes its reports), then kills after 30 s.
-
-    Args:
-        profile: built-in name or TOML path.
-        timeout_s: the limit (s).
-        reports: where the run folder and ``certify-<profile>.log`` go.
-        env: the environment (default ``os.environ``).
-
-    Returns:
-        the row.
-
+    The limit sends SIGINT first (pytest tears down and writes its reports), then
+    kills after 30 s. The run folder and ``certify-<profile>.log`` go to ``reports``.
     """
     reports.mkdir(parents=True, exist_ok=True)
     env = {**(os.environ if env is None else env), "TVC_REPORTS_ROOT": str(reports)}
@@ -231,12 +198,7 @@ def default_profiles() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: certify each profile, print and write the table.
-
-    Returns:
-        0 when the gate passes, 1 otherwise.
-
-    """
+    """Command line: certify each profile, print the table; 0 when the gate passes."""
     ap = argparse.ArgumentParser(prog="python -m tvc.report.gate",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", nargs="+", default=None,

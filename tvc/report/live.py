@@ -1,10 +1,8 @@
 """Reds as they happen: one console line each and a ``failures.md`` kept current.
 
-Under xdist the console shows dots and the run folder's pages come at the end,
-which on a busy box can be half an hour away; the controller sees every test's
-report as it arrives, so it can say each red at once (node id and one-line cause)
-and keep ``<run>/failures.md`` current while the run goes on (written whole, to a
-temporary file renamed over the old one, so a reader never sees half of it).
+Under xdist the pages come at the end, which can be half an hour away; the
+controller sees each report as it arrives, prints each red at once and rewrites
+``<run>/failures.md`` whole (temporary file renamed over the old one).
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ class LiveReds:
     Args:
         run_dir: the run folder (exists).
         title: what the run is (e.g. ``profile example``), for the page's head.
-        echo: prints one line on the console (the terminal reporter's
-            ``write_line``); None prints nothing.
+        echo: prints one console line (the terminal reporter's ``write_line``); None
+            prints nothing.
 
     """
 
@@ -52,13 +50,7 @@ class LiveReds:
         self._write("(live: the run is going on)")
 
     def add(self, nodeid: str, outcome: str, message: str, rerun: str = "") -> str:
-        """One red: printed now and added to ``failures.md``.
-
-        Args:
-            nodeid: the test.
-            outcome: ``failed`` or ``error``.
-            message: its failure message (the first line is the cause).
-            rerun: the command that reruns it.
+        """One red (``failed`` or ``error``): printed now and added to the page.
 
         Returns:
             the console line.

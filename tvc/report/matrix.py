@@ -1,10 +1,8 @@
 """The certification matrix of a fleet: connector x package x vLLM x hardware.
 
-``tvc merge`` joins run folders from many hosts and versions; this module
-folds them into one verdict per (connector, connector package and version,
-vLLM version, hardware) cell, the worst verdict of the runs in it, with the
-catalogued findings they showed (:mod:`tvc.plugin.findings`), so a reader sees
-which pairings are certified and which carry which defect.
+Folds ``tvc merge``'s run folders into one cell per (connector, package and
+version, vLLM version, hardware) with the worst verdict of its runs and their
+catalogued findings (:mod:`tvc.plugin.findings`).
 """
 
 from __future__ import annotations
@@ -27,16 +25,13 @@ def cells(runs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
           ) -> list[dict[str, Any]]:
     """One row per (connector, package, vLLM, hardware), worst verdict first.
 
-    Args:
-        runs: ``(host row, summary.json)`` per run folder; the host row is
-            :func:`tvc.plugin.fleet._host_row`'s (``connector``, ``vllm``,
-            ``hardware``, ``verdict``, ``label``, ``counts``).
+    ``runs`` are ``(host row, summary.json)`` per run folder, the host row
+    :func:`tvc.plugin.fleet._host_row`'s.
 
     Returns:
-        dicts with the :data:`COLUMNS`, ``verdict`` (the worst of its runs),
-        ``runs`` (labels), ``counts`` (summed) and ``findings`` (catalogued
-        finding keys, sorted; uncatalogued failures counted as
-        ``uncatalogued``).
+        dicts with the :data:`COLUMNS`, ``verdict`` (worst of its runs), ``runs``
+        (labels), ``counts`` (summed) and ``findings`` (catalogued keys, sorted;
+        others counted as ``uncatalogued``).
 
     """
     out: dict[tuple[str, ...], dict[str, Any]] = {}

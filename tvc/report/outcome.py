@@ -1,18 +1,10 @@
 """A run's outcome in words: why it stopped, why it did not pass, its verdict.
 
-Read from a ``summary.json`` (:mod:`tvc.plugin.report` writes it) or, for the stop
-reason, from what pytest and its plugins leave when they stop a run:
-
-- ``--maxfail=N`` / ``-x``: pytest sets ``session.shouldfail`` to ``stopping after
-  N failures`` (exit 1); under xdist the controller raises ``Interrupted`` with
-  the same words (exit 2, ``_pytest/main.py``, ``xdist/dsession.py``);
-- pytest-timeout's ``--session-timeout``: ``session-timeout: S sec exceeded``
-  (``pytest_timeout.py``);
-- xdist workers that died (killed by a watchdog: pytest-timeout's ``thread``
-  method exits the process; the OOM killer) and were not replaced
-  (``--max-worker-restart``), leaving tests that never ran;
-- ``pytest.exit(msg)``; SIGTERM/SIGHUP (the plugin turns them into an interrupt
-  and names the signal); Ctrl-C.
+Read from a ``summary.json`` or, for :func:`stop_reason`, from what pytest and its
+plugins leave: ``session.shouldfail`` for ``--maxfail``/``-x`` (under xdist an
+``Interrupted``, ``_pytest/main.py``, ``xdist/dsession.py``), pytest-timeout's
+``session-timeout: S sec exceeded`` (``pytest_timeout.py``), dead xdist workers not
+replaced (``--max-worker-restart``), ``pytest.exit``, SIGTERM/SIGHUP, Ctrl-C.
 """
 
 from __future__ import annotations
@@ -34,10 +26,9 @@ def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
     """Why a run stopped before its last test, as a kind and a sentence.
 
     Args:
-        message: pytest's ``session.shouldstop``/``shouldfail`` or the text of the
-            ``Interrupted`` that ended the run (``stopping after 1 failures``,
-            ``session-timeout: 60 sec exceeded``, ``[gw0] node received
-            keyboard-interrupt``).
+        message: pytest's ``session.shouldstop``/``shouldfail`` or the ``Interrupted``
+            text (``stopping after 1 failures``, ``session-timeout: 60 sec
+            exceeded``, ``[gw0] node received keyboard-interrupt``).
         signal: ``SIGTERM``/``SIGHUP`` when one stopped the run.
         interrupted: a KeyboardInterrupt ended the run (Ctrl-C unless ``message``
             or ``signal`` says otherwise).
@@ -45,9 +36,8 @@ def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
         dead_workers: xdist workers that died in a run that left tests unrun.
 
     Returns:
-        ``{"kind", "reason"}``: ``maxfail``, ``timeout``, ``watchdog``,
-        ``signal``, ``exit``, ``collection``, ``ctrl_c``; ``{}`` for a run that
-        was not stopped.
+        ``{"kind", "reason"}``, kind ``maxfail``, ``timeout``, ``watchdog``,
+        ``signal``, ``exit``, ``collection`` or ``ctrl_c``; ``{}`` if not stopped.
 
     """
     if m := _MAXFAIL.search(message):
@@ -82,16 +72,8 @@ def stop_reason(message: str = "", signal: str = "", interrupted: bool = False,
 def outcome_reason(summary: Mapping[str, Any]) -> str:
     """Why a run did not pass, in one line (``""`` for a run that passed).
 
-    Reads ``run`` (``outcome``, ``exit_status``, ``stop``, ``signal``),
-    ``counts`` and ``coverage`` of a ``summary.json`` (older files without
-    ``outcome`` are read by their ``exit_status``).
-
-    Returns:
-        e.g. ``stopped after 1 failure(s) (--maxfail=1 or -x); 12 test(s) never
-        ran``, ``terminated by SIGTERM; 12 test(s) never ran``, or ``coverage
-        gate (--tvc-require coverage) failed: the connector overrides
-        take_events but no test exercised it with a meaningful input``.
-
+    From ``run`` (older files: by ``exit_status``), ``counts`` and ``coverage``, e.g.
+    ``stopped after 1 failure(s) (--maxfail=1 or -x); 12 test(s) never ran``.
     """
     run = summary.get("run") or {}
     c = summary.get("counts") or {}
@@ -126,10 +108,9 @@ def outcome_reason(summary: Mapping[str, Any]) -> str:
 def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
     """(word, one-line explanation) for the run as a whole.
 
-    ``FAIL``: a test failed or errored (a ``--maxfail`` stop says so too), or
-    the coverage gate failed; ``INCOMPLETE``: the run stopped otherwise
-    (Ctrl-C, a signal, a timeout, dead workers) or pytest could not run it;
-    ``NOTHING PASSED``; ``PASS``; ``NO DATA`` without ``summary.json``.
+    ``FAIL``: a test failed or errored, or the coverage gate failed; ``INCOMPLETE``:
+    stopped otherwise or not runnable; ``NOTHING PASSED``; ``PASS``; ``NO DATA``
+    without ``summary.json``.
     """
     c = s.get("counts") or {}
     if not s:
@@ -164,11 +145,10 @@ def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def headline(s: Mapping[str, Any]) -> str:
-    """The verdict word with the run's scope when it was not complete.
+    """The verdict word, with the run's scope when it was not complete.
 
-    ``PASS (CPU scope: 89 [cuda] variants not run; certify on a GPU host)``:
-    a pass (or nothing passed) that left out hardware levels or tiers says
-    which (:func:`tvc.report.scope.scope`); any other verdict is its word.
+    E.g. ``PASS (CPU scope: 89 [cuda] variants not run; certify on a GPU host)``
+    (:func:`tvc.report.scope.scope`).
     """
     from tvc.report.scope import scope
 

@@ -1,12 +1,9 @@
 """What exactly a run tested: the suite's, vLLM's and the connector's sources.
 
-Versions and source commits of the suite, vLLM and the connector's package, for
-``summary.json`` (``provenance``) and the summary page.
-
-Read from installed metadata, never by importing the packages: a distribution's
-version (``importlib.metadata``), its PEP 610 ``direct_url.json`` (``vcs_info`` of a
-``pip install git+...``, or the folder of an editable install), a checkout's ``git``
-HEAD, and vLLM's own ``vllm/_version.py`` (``__commit_id__``, written by its build).
+:func:`provenance` gives versions and source commits for ``summary.json``
+(``provenance``), from installed metadata, never by importing: ``importlib.metadata``,
+PEP 610 ``direct_url.json``, a checkout's ``git`` HEAD, and vLLM's
+``vllm/_version.py`` (``__commit_id__``).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ def git_head(folder: Path) -> dict[str, Any]:
 
     Returns:
         ``{"commit": sha, "dirty": bool, "source": "git checkout <top>"}``; ``{}``
-        where ``folder`` is in no checkout or git is not installed.
+        outside a checkout or without git.
 
     """
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: no index refresh
@@ -54,9 +51,9 @@ def distribution_source(dist: md.Distribution) -> dict[str, Any]:
     """Version and source commit of an installed distribution.
 
     Returns:
-        ``{"distribution", "version"}`` and, where known, ``"commit"``,
-        ``"url"``, ``"dirty"`` and ``"source"`` (where the commit was read:
-        ``direct_url.json vcs_info``, or the git checkout of an editable install).
+        ``{"distribution", "version"}`` and, where known, ``"commit"``, ``"url"``,
+        ``"dirty"`` and ``"source"`` (``direct_url.json vcs_info``, or an editable
+        install's git checkout).
 
     """
     out: dict[str, Any] = {"distribution": dist.metadata["Name"],
@@ -83,14 +80,9 @@ def distribution_source(dist: md.Distribution) -> dict[str, Any]:
 
 
 def module_source(module: str) -> dict[str, Any]:
-    """:func:`distribution_source` of the distribution holding ``module``'s package.
+    """:func:`distribution_source` of ``module``'s package; ``{"module"}`` if unknown.
 
-    A package on ``PYTHONPATH`` without a distribution (a checkout) gives its
-    folder's :func:`git_head`.
-
-    Returns:
-        ``{"module", ...}``; ``{"module"}`` alone where nothing is known.
-
+    A package on ``PYTHONPATH`` without a distribution gives its :func:`git_head`.
     """
     top = module.split(".")[0]
     names = md.packages_distributions().get(top, [])
@@ -155,14 +147,8 @@ def vllm_source() -> dict[str, Any]:
 def provenance(profile: Any) -> dict[str, Any]:
     """What this run tests: ``{"suite", "vllm", "connector"}``.
 
-    Args:
-        profile: the run's profile; the connector's packages are those holding
-            ``connector.module_path`` and the ``[imports] modules`` (a connector
-            built into vLLM, without either, is vLLM's).
-
-    Returns:
-        ``connector`` is a list, one entry per package (:func:`module_source`).
-
+    ``connector`` is a list, one :func:`module_source` per package holding
+    ``connector.module_path`` or an ``[imports] modules`` entry (neither: vLLM's).
     """
     modules = [m for m in [profile["connector"]["module_path"],
                            *profile["imports"]["modules"]] if m]

@@ -1,17 +1,10 @@
 """The run folder: resolved once, created fresh or an earlier run's, locked.
 
-Every run writes ``junit.xml``, ``summary.json`` and the summary page into one run
-folder: ``reports/<UTC time>-<profile>/`` by default (a new name, made with
-``mkdir`` so two runs started in the same second get ``-2``, ``-3``...), or the one
-``--tvc-report-dir`` / ``TVC_REPORT_DIR`` names (new, empty, or an earlier run's).
-:func:`open_run_dir` resolves that path once (``~`` expanded, links followed,
-bounded: a name longer than ``NAME_MAX`` or a path the process may not resolve is
-one clear error, never a traceback), creates it and takes its lock
-(:data:`LOCK_NAME`, ``flock``: released when the run ends or its process dies), so
-a second run on a folder in use is refused in one line instead of mixing two
-runs' files. Files are then written with :func:`tvc.core.files.write_file` (never
-through a link).
-
+:func:`default_run_dir` names ``reports/<UTC time>-<profile>/``; :func:`open_run_dir`
+creates it (``-2``, ``-3``... when taken) or reuses a ``--tvc-report-dir`` folder
+that is new, empty or an earlier run's, and takes its ``flock`` (:data:`LOCK_NAME`),
+so a second run on a folder in use is refused in one line. Path errors are one line
+(:class:`RunFolderUnusable`), never a traceback. See docs/safety.md#run-folders.
 Nothing here imports pytest.
 """
 
@@ -52,8 +45,9 @@ def resolve_run_dir(text: str) -> Path:
     """The absolute path a run-folder setting names (``~`` expanded, links followed).
 
     Raises:
-        RunFolderUnusable: a NUL byte, an unknown ``~user``, longer than a path or
-            a name can be, or a path that cannot be resolved (``/proc/1/cwd``).
+        RunFolderUnusable: a NUL byte, an unknown ``~user``, over
+            :data:`MAX_PATH_CHARS`/:data:`MAX_NAME_CHARS`, or unresolvable
+            (``/proc/1/cwd``).
 
     """
     if "\0" in text:
@@ -78,18 +72,8 @@ def default_run_dir(profile_name: str, selftests: bool = False,
                     invocation_dir: Path | None = None) -> Path:
     """A fresh run folder name: ``reports/<YYYYmmdd-HHMMSS>-<profile>``.
 
-    ``reports/`` is :func:`tvc.config.paths.reports_root`: ``$TVC_REPORTS_ROOT``
-    (the self-tests use it so that they never touch a user's reports/), the
-    checkout's ``reports/``, or, installed, ``./reports`` of ``invocation_dir``.
-    :func:`open_run_dir` with ``fresh=True`` adds ``-2``, ``-3``... when taken.
-
-    Args:
-        profile_name: the profile's name (the folder's suffix).
-        selftests: a run of the suite's own tests (``selftests/``): the folder goes
-            under ``reports/selftests/``, so it never becomes ``reports/latest``
-            (which names the newest conformance run).
-        invocation_dir: the directory pytest was started in (default: the
-            current directory).
+    ``reports/`` is :func:`tvc.config.paths.reports_root`. ``selftests`` runs go under
+    ``reports/selftests/``, so they never become ``reports/latest``.
 
     Raises:
         RunFolderUnusable: ``$TVC_REPORTS_ROOT`` cannot be resolved.
@@ -108,9 +92,7 @@ def default_run_dir(profile_name: str, selftests: bool = False,
 def holds_suite_run(path: Path) -> bool:
     """True when ``path/summary.json`` is one this suite wrote.
 
-    That is a JSON object with ``run``, ``counts`` and ``tests``: reusing such a
-    folder overwrites only the suite's own files; a user's file of that name does
-    not qualify.
+    A JSON object with ``run``, ``counts`` and ``tests``.
     """
     from tvc.core.files import read_json
 
@@ -124,9 +106,8 @@ def holds_suite_run(path: Path) -> bool:
 def check_run_dir(path: Path) -> str:
     """Why ``path`` cannot be a run folder ('' when it can).
 
-    A run folder must be a directory this user can create and write, and must not
-    be a non-empty directory that holds anything but an earlier run (so a stray
-    ``--tvc-report-dir=.`` never mixes reports into someone's files).
+    It must be a directory this user can create and write, empty or an earlier run's
+    (a stray ``--tvc-report-dir=.`` never mixes reports into someone's files).
     """
     try:
         if path.is_symlink() or (path.exists() and not path.is_dir()):
@@ -163,11 +144,9 @@ def _create_fresh(base: Path) -> Path:
 
 
 def _lock(path: Path, stamp: bool = True) -> int:
-    """Take the folder's lock (held by the returned descriptor).
+    """Take the folder's lock (held by the returned fd).
 
-    With ``stamp``, write this run's pid and start time into the lock file (the
-    message a second run shows); without, the file is left as it was (a folder
-    the checks may still refuse).
+    With ``stamp``, write this run's pid and start time into the lock file.
     """
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o644)
@@ -200,20 +179,16 @@ def _stamp(fd: int) -> None:
 def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
     """Create (or reuse) the run folder and lock it for this run.
 
-    Args:
-        path: the folder (resolved: :func:`resolve_run_dir`, or
-            :func:`default_run_dir`).
-        fresh: make a new folder (``path``, else ``path-2``...); otherwise
-            ``path`` may exist when it is empty or holds an earlier run
-            (:func:`check_run_dir`).
+    ``fresh`` makes a new folder (``path``, else ``path-2``...); otherwise ``path``
+    may exist when :func:`check_run_dir` accepts it.
 
     Returns:
-        ``(folder, lock descriptor)``; :func:`release` it once the reports
-        are written (the process's end releases it too).
+        ``(folder, lock descriptor)``; :func:`release` it once the reports are
+        written (the process's end releases it too).
 
     Raises:
-        RunFolderUnusable: one line: not a folder, not writable, someone's files,
-            in use by another run, a link where a report goes (:data:`RUN_FILES`).
+        RunFolderUnusable: not a folder, not writable, someone's files, in use by
+            another run, a link where a report goes (:data:`RUN_FILES`).
 
     """
     try:

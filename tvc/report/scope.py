@@ -1,12 +1,9 @@
 """The scope of a run: which tiers and hardware levels ran, which did not, and where.
 
-A green contract run on a CPU box is not a green run of the connector's worker side
-on a GPU: its ``[cuda]`` variants were skipped for missing hardware. The scope says
-so in one line (``CPU scope: 89 [cuda] variants not run; certify on a GPU host``),
-read from ``summary.json``: each test's ``hardware`` level (its ``hw_*`` marker) and
-``missing_hardware`` (a skip for an absent level, or a test a stopped run never
-reached that this box would have skipped), the box's ``hardware.levels``, the
-tiers present and the tests the user deselected.
+A green contract run on a CPU box skipped its ``[cuda]`` variants; :func:`scope`
+says so in one line (``CPU scope: 89 [cuda] variants not run; certify on a GPU
+host``) from ``summary.json``: each test's ``hardware`` and ``missing_hardware``,
+the box's ``hardware.levels``, the tiers present and the user's deselection.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ DEVICE_TIER = "contract"  # its hw_gpu tests are the [cuda] worker variants
 def tier_order() -> tuple[str, ...]:
     """The tier markers in ladder order: ``[tiers]`` of ``markers.ini``.
 
-    markers.ini is the one list of markers; a missing or malformed file gives an
-    empty tuple here (the plugin reports it as a usage error at start-up).
+    A missing or malformed file gives () (the plugin reports it at start-up).
     """
     cp = configparser.ConfigParser(interpolation=None)
     try:
@@ -58,19 +54,13 @@ def skipped_for(t: Mapping[str, Any], box: Mapping[str, bool]) -> str:
 
 def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
           ) -> dict[str, Any]:
-    """The run's scope, from its ``summary.json``.
-
-    Args:
-        s: the summary (``tests``, ``hardware.levels``, ``deselected``).
-        order: the tiers in ladder order (default :func:`tier_order`).
+    """The run's scope, from its ``summary.json`` (``tests``, ``hardware.levels``...).
 
     Returns:
-        ``complete`` (every tier of the ladder in the run, no hardware level the
-        profile claims (``profile.levels``) missing, nothing deselected by the
-        user), ``line`` (one sentence),
-        ``tiers`` (tiers in the run), ``absent`` (tiers not in it),
-        ``not_run`` (per missing level: ``level``, ``count``, ``by_tier``,
-        ``where``), ``deselected`` (tests the user deselected), ``box``.
+        ``complete`` (every ladder tier ran, no claimed level (``profile.levels``)
+        missing, nothing deselected), ``line`` (one sentence), ``tiers``,
+        ``absent`` (tiers not run), ``not_run`` (per missing level: ``level``,
+        ``count``, ``by_tier``, ``where``), ``deselected``, ``box``.
 
     """
     order = tuple(order if order is not None else tier_order())

@@ -64,13 +64,7 @@ class Refusal(ValueError):
 def shorten(value: Any, limit: int = SHOW_CHARS) -> str:
     """``repr(value)`` cut to ``limit`` characters plus ``… (N chars)`` when longer.
 
-    Args:
-        value: any value (strings are measured in characters, others by their repr).
-        limit: characters kept.
-
-    Returns:
-        a one-line text for messages.
-
+    Strings are measured in characters, other values by their repr; one line.
     """
     text = repr(value)
     if len(text) <= limit:
@@ -97,9 +91,8 @@ _EVAL_ERRORS = (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeE
 def specifier_problem(text: str) -> str:
     """Why ``text`` is no usable PEP 440 specifier ('' when it is).
 
-    ``packaging`` accepts a version of 5,000 digits in a specifier and fails only
-    when comparing (Python refuses to convert integers over 4,300 digits), so the
-    specifier is bounded and compared once here.
+    Bounded and compared once here: ``packaging`` accepts a 5,000-digit version and
+    fails only when comparing (Python refuses to convert integers over 4,300 digits).
     """
     if len(text) > MAX_SPECIFIER_CHARS:
         return f"{len(text)} characters, over the limit of {MAX_SPECIFIER_CHARS}"
@@ -123,8 +116,7 @@ def check_specifier(text: str, key: str = "") -> str:
 def check_requirement(text: str, key: str = "") -> str:
     """Raise :class:`Refusal` unless ``text`` is a PEP 508 requirement with a version.
 
-    A pairing names the versions it is about (``lmcache==0.5.3``,
-    ``lmcache>=0.5.4``): a bare name or an unusable specifier is refused.
+    E.g. ``lmcache==0.5.3``; a bare name or an unusable specifier is refused.
     """
     from packaging.requirements import InvalidRequirement, Requirement
 
@@ -147,12 +139,10 @@ def check_rule(rule: str, variables: Mapping[str, int | float], key: str = "",
                extra_config: Mapping[str, Any] | None = None) -> None:
     """Refuse a hit rule that is not a possible hit at every probe length and block.
 
-    Possible: at most ``len`` (vLLM recomputes the last token of a full-prompt hit
-    itself), and not negative once the prompt spans four blocks (integer formulas
-    such as ``(len - 2) // B * B`` dip below 0 only for the shortest prompts). A rule
-    outside that is a typo that would fail every hit check on the GPU host. A
-    name the rule uses that ``extra_config`` holds as something other than a
-    number says so.
+    Possible: at most ``len`` (vLLM recomputes the last token of a full-prompt hit), and
+    not negative once the prompt spans four blocks (``(len - 2) // B * B`` dips below 0
+    only for the shortest prompts). Also names an ``extra_config`` variable that is not
+    a number.
     """
     for b in RULE_PROBE_BLOCKS:
         for n in RULE_PROBE_LENS:
@@ -213,9 +203,8 @@ _LITERAL_RUN = re.compile(r"[A-Za-z0-9 _:=-]{3,}")
 def _probe_texts(pattern: str) -> list[str]:
     """Log lines of :data:`MAX_LOG_LINE_CHARS` characters that make patterns backtrack.
 
-    Runs of one character (and of each literal character of the pattern),
-    alternations of word and space, repeats of the pattern's literal words and of
-    a vLLM log message, each followed by a character that breaks the match.
+    Runs of one character (and of each literal of the pattern), word/space alternations,
+    repeats of the pattern's words and of a vLLM log message, each plus a breaking char.
     """
     n = MAX_LOG_LINE_CHARS - 1
 
@@ -233,15 +222,13 @@ def search_cpu(compiled: Any, text: str, cpu_s: float, wall_s: float
                ) -> tuple[bool, bool, float]:
     """Search ``text``; stop once the search used ``cpu_s`` of CPU time.
 
-    ``regex`` stops a search by wall-clock time; on a loaded box a search may get
-    little CPU in that time, so a stopped search that used under half the CPU
-    allowance is run again with twice the wall time (at most ``wall_s`` in all).
-    The limit is so one of this thread's CPU time (``time.thread_time``), not of
-    how busy the box is.
+    ``regex`` stops by wall time, so a stopped search that used under half of ``cpu_s``
+    is retried with twice the wall time (at most ``wall_s`` in all); CPU is this
+    thread's (``time.thread_time``), so a busy box does not count.
 
     Returns:
-        ``(finished, found, CPU seconds used)``; not finished means it ran out of
-        CPU (or, on a box that gave it almost none, of ``wall_s``).
+        ``(finished, found, CPU seconds used)``; not finished: out of CPU (or of
+        ``wall_s``).
 
     """
     used, wall, waited = 0.0, max(cpu_s, 1e-3), 0.0
@@ -261,12 +248,10 @@ def search_cpu(compiled: Any, text: str, cpu_s: float, wall_s: float
 def check_log_pattern(pattern: str) -> str:
     """Compile a log pattern and refuse one that backtracks catastrophically.
 
-    The pattern is searched (``regex``) in probe texts of the longest log line the
-    tier searches (:func:`_probe_texts`, :data:`MAX_LOG_LINE_CHARS`). The cost is
-    measured in CPU time of this thread, so a loaded box does not refuse a good
-    pattern: over :data:`PATTERN_PROBE_TIMEOUT_S` on one probe, or
-    :data:`PATTERN_PROBE_BUDGET_S` on all, is refused. ``(a+)+$`` takes seconds on
-    one 4096-character run; a benign pattern takes microseconds.
+    Searched (``regex``) in :func:`_probe_texts`; refused over
+    :data:`PATTERN_PROBE_TIMEOUT_S` thread CPU on one probe or
+    :data:`PATTERN_PROBE_BUDGET_S` on all. ``(a+)+$`` takes seconds on one
+    4096-character run; a benign pattern takes microseconds.
 
     Raises:
         Refusal: too long, too large counted repeats, no regex, or too slow.
@@ -313,21 +298,14 @@ _SYSTEM_DIRS = ("/", "/var", "/run", "/root", "/home", "/tmp", "/opt", "/srv",
 
 
 def unsafe_dir_reason(p: Path) -> str:
-    """Why the suite may not own directory ``p`` ("" when it may).
+    """Why the suite may not own directory ``p`` ("" when it may); ``p`` is absolute.
 
     Refused: ``/``; a system tree (``/etc``, ``/usr``, ``/bin``, ``/sbin``, ``/lib*``,
-    ``/boot``, ``/dev``, ``/proc``, ``/sys``) or anything inside one; ``/var``,
-    ``/run``, ``/root``, ``/home``, ``/tmp``, ``/opt``, ``/srv``, ``/mnt``,
-    ``/media`` themselves; the user's home directory itself; anything inside a
-    ``.git``; the root of a git work tree; the suite's repository or a folder above
-    it; an existing non-directory.
-
-    Args:
-        p: an absolute, normalised path.
-
-    Returns:
-        a phrase, e.g. ``"a system directory (/etc)"``.
-
+    ``/boot``, ``/dev``, ``/proc``, ``/sys``) or inside one; ``/var``, ``/run``,
+    ``/root``, ``/home``, ``/tmp``, ``/opt``, ``/srv``, ``/mnt``, ``/media`` themselves;
+    the home directory itself; inside a ``.git``; a git work tree root; the suite's
+    repository or above it; an existing non-directory. Returns a phrase, e.g. ``"a
+    system directory (/etc)"``.
     """
     s = str(p)
     if s in _SYSTEM_DIRS:
@@ -360,13 +338,11 @@ def unsafe_dir_reason(p: Path) -> str:
 def owned_dir(value: str, raw: str | None = None) -> Path:
     """Check an explicit scratch/store directory; return it absolute and normalised.
 
-    Args:
-        value: the interpolated path.
-        raw: the value as written (shown too when it differs).
+    ``raw`` is the value as written (shown too when it differs from ``value``).
 
     Raises:
-        Refusal: NUL, empty, no such user, relative, too long, or a folder the
-            suite may not own (:func:`unsafe_dir_reason`,
+        Refusal: NUL, empty, no such user, relative, too long, or a folder the suite may
+            not own (:func:`unsafe_dir_reason`,
             :func:`tvc.core.run_store.ownership_problem`).
 
     """
@@ -420,16 +396,12 @@ HARMLESS_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random",
 def store_path_form(key: str, value: str) -> str:
     """The path form of an ``extra_config`` string ('' when it names no path).
 
-    Args:
-        key: the dotted key (``connector.extra_config.shared_storage_path``).
-        value: its string.
-
     Returns:
         ``"url"`` (``file:...``), ``"absolute"``, ``"home"`` (``~``, ``~/x``,
-        ``~user/x``), ``"relative"`` (``.``, ``..``, ``./x``, ``../x``, or a bare
-        name such as ``kvstore`` under a path-named key: ``*path``, ``*dir``,
-        ``*directory``, ``*folder``, ``*root``, ``*disk``, ``*location``, or their
-        plurals), or ''.
+        ``~user/x``), ``"relative"`` (``.``, ``..``, ``./x``, ``../x``, or a bare name
+        under a path-named
+        key: ``*path``, ``*dir``, ``*directory``, ``*folder``, ``*root``, ``*disk``,
+            ``*location``, or plurals), or ''.
 
     """
     if not value:
@@ -451,24 +423,17 @@ def store_path_form(key: str, value: str) -> str:
 def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]:
     """Resolve one store path once, as the suite and the connector will use it.
 
-    A ``file:`` URL is decoded (``file:///x``, ``file:/x``, ``file://localhost/x``);
-    ``~`` and ``~user`` are expanded; a relative path (``kvstore``, ``./kv``,
-    ``.``, ``..``) is taken relative to the scratch directory, as
-    ``${SCRATCH}/<value>`` (never the current folder, which changes between runs
-    and is often the checkout); ``.`` and ``..`` parts are folded.
-
-    Args:
-        value: the string as the profile holds it (interpolated).
-        form: :func:`store_path_form` of it.
-        scratch: the profile's scratch directory (absolute).
+    ``file:`` URLs are decoded (``file:///x``, ``file:/x``, ``file://localhost/x``),
+    ``~`` expanded, relative paths taken as ``${SCRATCH}/<value>`` (never the current
+    folder), ``.``/``..`` folded. ``form`` is :func:`store_path_form`'s.
 
     Returns:
-        ``(absolute normalised path, the string the connector receives)``: the
-        path itself, or ``file://<path>`` for a URL.
+        ``(absolute normalised path, the string the connector receives)``: the path, or
+        ``file://<path>`` for a URL.
 
     Raises:
-        Refusal: a NUL byte, a URL of another host, with a query, fragment or
-            %-escape, or not absolute; an unknown user; longer than a path can be.
+        Refusal: a NUL byte, a URL of another host, with a query, fragment or %-escape,
+            or not absolute; an unknown user; longer than a path can be.
 
     """
     if "\0" in value:
@@ -530,11 +495,9 @@ def _realpath(path: Path) -> Path:
 def store_location_problem(path: Path, scratch: Path, devices: list[str]) -> str:
     """Why a resolved store path may not be used ('' when it may).
 
-    Allowed: inside the scratch directory; equal to or inside a folder of
-    ``[store] test_devices``; a device node listed there; one of
-    :data:`HARMLESS_DEVICES`. The check holds for the path as written and with
-    its symbolic links followed (``${SCRATCH}/link`` to a user's folder is not
-    inside scratch).
+    Allowed: inside scratch; equal to or inside a ``[store] test_devices`` folder; a
+    device node listed there; :data:`HARMLESS_DEVICES`. Holds with symbolic links
+    followed too.
     """
     if str(path) in HARMLESS_DEVICES:
         return ""
@@ -554,24 +517,11 @@ def store_location_problem(path: Path, scratch: Path, devices: list[str]) -> str
 def resolve_store_paths(extra: Mapping[str, Any], scratch: Path,
                         devices: list[str], where: str = "connector.extra_config"
                         ) -> Any:
-    """Resolve and check every store path of ``extra_config``; return the result.
+    """Resolve and check every store path of ``extra_config``; return a resolved copy.
 
-    Each string that names a path (:func:`store_path_form`) is resolved once
-    (:func:`resolve_store_path`) and must lie in the scratch directory or a
-    declared test device (:func:`store_location_problem`); the connector then
-    receives the resolved absolute path (a URL stays a ``file://`` URL of it), so
-    what the suite checked is what the connector writes. Paths inside scratch are
-    moved per session later (:mod:`tvc.core.run_store`).
-
-    Args:
-        extra: ``connector.extra_config`` (interpolated); not modified.
-        scratch: the profile's scratch directory (absolute, normalised).
-        devices: ``[store] test_devices`` as :func:`check_test_devices` returns
-            them.
-        where: the dotted key of ``extra``.
-
-    Returns:
-        a copy of ``extra`` with every store path resolved.
+    Each path string (:func:`store_path_form`) is resolved (:func:`resolve_store_path`)
+    and must pass :func:`store_location_problem`; the connector gets the resolved path,
+    so what was checked is what it writes. ``where`` is the dotted key of ``extra``.
 
     Raises:
         Refusal: naming the ``connector.extra_config...`` key of the path.
@@ -605,13 +555,9 @@ def resolve_store_paths(extra: Mapping[str, Any], scratch: Path,
 
 
 def scratch_file(value: str, scratch: Path) -> str:
-    """A file the suite itself writes (``[daemon] log_file``), resolved in scratch.
+    """A file the suite itself writes (``[daemon] log_file``): absolute path in scratch.
 
-    Resolved as a store path (:func:`resolve_store_path`; relative is relative to
-    scratch) and refused outside the scratch directory: the suite appends to it.
-
-    Returns:
-        the absolute path.
+    Resolved as :func:`resolve_store_path` does; the suite appends to it.
 
     Raises:
         Refusal: as :func:`resolve_store_path`, or outside scratch.
@@ -628,14 +574,9 @@ def scratch_file(value: str, scratch: Path) -> str:
 def check_test_devices(devices: list[str]) -> list[str]:
     """``[store] test_devices``: device nodes, or folders the suite owns by creation.
 
-    A block or character device node is the operator's test device; a folder
-    must be one the suite may own (:func:`owned_dir`: not a system folder, not
-    the home folder or the checkout, and new -- the suite creates and marks it
-    at start-up -- or marked by an earlier run; an existing folder without the
-    marker, empty or not, is refused).
-
-    Returns:
-        the entries, absolute and normalised (``~`` expanded).
+    A folder must pass :func:`owned_dir` and be new (created and marked at start-up) or
+    marked by an earlier run; an unmarked existing folder is refused. Returns the
+    entries absolute and normalised (``~`` expanded).
 
     Raises:
         Refusal: naming ``store.test_devices[i]``.
@@ -664,13 +605,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def check_env(env: Mapping[str, Any], key: str) -> None:
     """An environment table: names of variables, string values, no ``TVC_*``.
 
-    ``TVC_*`` variables are the suite's own and never reach a server
-    (:mod:`tvc.procs.server_env`); a value must be a string because the environment
-    holds only strings (write ``"0"``, not ``0``).
-
-    Args:
-        env: the table.
-        key: its dotted key for messages (``vllm.env``, ``connector.env``).
+    ``TVC_*`` variables never reach a server (:mod:`tvc.procs.server_env`); values must
+    be strings (write ``"0"``, not ``0``). ``key`` is e.g. ``vllm.env``.
 
     Raises:
         Refusal: naming the variable's key.
@@ -717,12 +653,7 @@ def check_vllm_env(env: Mapping[str, Any]) -> None:
 
 
 def get_extra_config_key(extra: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
-    """Look up a dotted key (``"store.options.num_chunks"``) in an extra_config.
-
-    Returns:
-        ``(found, value)``.
-
-    """
+    """Look up a dotted key (``"store.options.num_chunks"``): ``(found, value)``."""
     node: Any = extra
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:

@@ -1,23 +1,11 @@
 """How deep a run goes: ``--tvc-depth quick|standard|deep`` (``TVC_DEPTH``).
 
-One knob for the volume of the contract tier's generated work, so an author's
-edit-run loop, a CI gate and a soak run differ by one word rather than by
-environment variables. ``tvc certify`` runs ``standard`` unless told otherwise;
-the run's depth is recorded in ``summary.json`` (``run.depth``) and on the page.
-
-=========  ===========  ========  =====================================================
-depth      exploration  volume    use
-=========  ===========  ========  =====================================================
-quick      10           200       the edit-run loop; premises may not all be met, so
-                                  exploration families skip where they would fail
-standard   30           1000      the default: CI and certify (2 cores, <= 5 min for
-                                  the contract tier of a built-in profile)
-deep       100          10000     a soak before a release (tens of minutes)
-=========  ===========  ========  =====================================================
-
-``exploration``: event sequences per family (``--tvc-explore-examples`` overrides
-it); ``volume``: prompts of the volume scenario (``TVC_SCENARIO_VOLUME`` overrides
-it).
+One knob for the contract tier's generated work: exploration sequences per family 10 /
+30 / 100 (``--tvc-explore-examples`` overrides) and volume-scenario prompts 200 / 1000 /
+10000 (``TVC_SCENARIO_VOLUME`` overrides). ``standard`` is the default (CI, ``tvc
+certify``; <= 5 min on 2 cores for a built-in profile); ``quick`` is the edit-run loop
+(exploration families may skip), ``deep`` a soak (tens of minutes). Recorded in
+``summary.json`` (``run.depth``); see docs/running.md.
 """
 
 from __future__ import annotations
@@ -72,17 +60,10 @@ def _positive(value: str | int, what: str) -> int:
 
 def resolve(name: str | None = None, *, explore_examples: int | None = None,
             scenario_volume: str | int | None = None) -> Depth:
-    """The run's depth: a named one, with explicit overrides.
+    """The run's depth: a named one (None or "": :data:`DEFAULT`), with overrides.
 
-    Args:
-        name: ``quick``, ``standard``, ``deep`` (case-insensitive); None or
-            ``""``: :data:`DEFAULT`.
-        explore_examples: ``--tvc-explore-examples``, when given.
-        scenario_volume: ``TVC_SCENARIO_VOLUME``, when set.
-
-    Returns:
-        the :class:`Depth` (its name stays the named one; overrides change only
-        the values).
+    Overrides (``--tvc-explore-examples``, ``TVC_SCENARIO_VOLUME``) change only the
+    values, not the name.
 
     Raises:
         DepthError: an unknown name or a non-positive override.

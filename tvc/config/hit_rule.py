@@ -1,19 +1,11 @@
 """The hit-rule language of profiles: matched tokens as an expression of the prompt.
 
-``connector.hit_rule``, ``connector.hit_rules[].rule`` and ``connector.granularity``
-are expressions over ``len`` (prompt length in tokens), ``B`` (block size in tokens)
-and every numeric top-level ``kv_connector_extra_config`` key by name (e.g.
-``chunk_tokens``), with integer literals, ``+ - * // %``, unary ``-``, ``min()``,
-``max()``, comparisons and ``a if cond else b``; e.g. vLLM's ExampleConnector::
-
-    0 if (len - 1) % B == 0 else (len - 2) // B * B
-
-Expressions are parsed with Python's ``ast`` and walked by a small evaluator that
-knows only these nodes: nothing is ever executed. Size is bounded (characters,
-parenthesis depth, elements, 64-bit literals), so evaluation is fast on any input.
-Errors are ``ValueError``/``SyntaxError`` naming the offending element, and
-``ZeroDivisionError``/``OverflowError`` from the arithmetic;
-:mod:`tvc.config.profile` turns them into one-line profile errors naming the key.
+``connector.hit_rule``, ``hit_rules[].rule`` and ``granularity`` are expressions over
+``len``, ``B`` (tokens) and numeric ``kv_connector_extra_config`` keys; e.g. vLLM's
+ExampleConnector: ``0 if (len - 1) % B == 0 else (len - 2) // B * B``. Parsed with
+``ast`` and walked by a small evaluator (nothing executed), with bounded size. Errors
+are ``ValueError``/``SyntaxError`` naming the element, or ``ZeroDivisionError``/
+``OverflowError``; :mod:`tvc.config.profile` names the key.
 """
 
 from __future__ import annotations
@@ -177,23 +169,11 @@ def _rule_value(node: ast.AST, env: Mapping[str, int | float]) -> Any:
 
 def evaluate(expr: str, n: int, b: int,
                variables: Mapping[str, int | float] | None = None) -> int:
-    """Evaluate a hit-rule expression.
+    """Evaluate a hit-rule expression at ``len = n``, ``B = b``, truncated to an int.
 
-    The language: integer literals (64-bit), ``len`` (prompt length, tokens), ``B``
-    (block size, tokens), every numeric top-level ``extra_config`` key by name;
-    ``+ - * // %``, unary ``-``, ``min(a, b, ...)``, ``max(a, b, ...)``,
-    ``a if cond else b`` where ``cond`` is a comparison (``== != < <= > >=``,
-    combined with ``and``/``or``/``not``). At most :data:`MAX_RULE_NODES` elements.
-
-    Args:
-        expr: the expression, e.g.
-            ``"0 if (len - 1) % B == 0 else (len - 2) // B * B"``.
-        n: ``len``.
-        b: ``B``.
-        variables: further names (numeric extra_config keys); ``len`` and ``B`` win.
-
-    Returns:
-        the value, truncated to an integer.
+    Integer literals (64-bit), ``len``, ``B``, ``variables`` (``len`` and ``B`` win);
+    ``+ - * // %``, unary ``-``, ``min``, ``max``, ``a if cond else b`` with comparisons
+    and ``and``/``or``/``not``; at most :data:`MAX_RULE_NODES` elements.
 
     Raises:
         ValueError, SyntaxError: not an expression of the language.
@@ -210,13 +190,8 @@ def evaluate(expr: str, n: int, b: int,
 def rule_variables(extra_config: Mapping[str, Any]) -> dict[str, int | float]:
     """The numeric top-level ``extra_config`` keys a hit rule may name.
 
-    Args:
-        extra_config: ``connector.extra_config``.
-
-    Returns:
-        name -> value for every key that is an identifier (not ``len``, ``B``,
-        ``min``, ``max``) with an int or float (not bool) value.
-
+    Identifier keys (not ``len``, ``B``, ``min``, ``max``) with int or float (not bool)
+    values.
     """
     return {k: v for k, v in extra_config.items()
             if isinstance(k, str) and k.isidentifier()

@@ -1,24 +1,10 @@
 r"""Known upstream defects of a target, run as strict xfails.
 
-A profile lists them as ``[[known_failures]]`` tables (validated by
-:mod:`tvc.config.profile`)::
-
-    [[known_failures]]
-    test = "suites/e2e/test_external_prefix_hit.py::test_concurrent*"  # node-id glob
-    reason = "ExampleConnector drops the hit under concurrent identical prompts"
-    link = "https://github.com/vllm-project/vllm/issues/NNNNN"             # required
-    vllm = "<0.29"                                     # optional PEP 440 specifier
-    match = "returned -\\d+, a negative token count"    # optional: the symptom
-
-Each collected test whose node id matches ``test`` (an exact node id, brackets
-included, or an fnmatch glob), on a vLLM in ``vllm``, gets
-``pytest.mark.xfail(strict=True)``: it still runs, its failure is reported as the
-known defect with the link, and when it passes (the defect is fixed) the run fails
-with XPASS(strict) and a message that tells the user to drop the entry, so stale
-entries cannot hide a regression for long. With ``match``, only a failure whose text
-(exception and message) contains that regex is the known defect; any other failure
-of the test (a new fault of a connector that inherits the entry through
-``extends``) is reported as a failure that names the entry.
+A profile's ``[[known_failures]]`` entries (``test`` node-id glob, ``reason``, ``link``,
+optional ``vllm`` specifier and ``match`` symptom regex; docs/profiles.md) mark matching
+tests ``pytest.mark.xfail(strict=True)``: they still run, an XPASS fails the run and
+says to drop the entry, and with ``match`` only a failure showing that symptom is the
+known defect. Entry points: :func:`apply`, :func:`check_symptom`.
 """
 
 from __future__ import annotations
@@ -37,13 +23,7 @@ from tvc.config.profile import (
 
 
 def xfail_reason(entry: Mapping[str, Any], profile: Profile) -> str:
-    """The xfail reason for one entry: the defect, the link, and what to do on XPASS.
-
-    Returns:
-        ``"known upstream defect: <reason> (<link>); if this test passes, the defect
-        is fixed: drop this [[known_failures]] entry from <profile file>"``.
-
-    """
+    """The xfail reason for one entry: the defect, the link, and what to do on XPASS."""
     return (f"known upstream defect: {entry['reason']} ({entry['link']}); if this "
             "test passes, the defect is fixed: drop this [[known_failures]] entry "
             f"from {profile.source}")
@@ -51,16 +31,10 @@ def xfail_reason(entry: Mapping[str, Any], profile: Profile) -> str:
 
 def entries_for(profile: Profile, vllm_version: str | None = None
                 ) -> list[Mapping[str, Any]]:
-    """The profile's known failures that apply to a vLLM version.
+    """The profile's known-failure entries that apply to a vLLM version.
 
-    Args:
-        profile: the loaded profile.
-        vllm_version: e.g. ``"0.28.0"``; None = the installed vLLM. An entry with a
-            ``vllm`` specifier never applies when the version is unknown.
-
-    Returns:
-        the applicable ``{test, reason, link, vllm}`` entries.
-
+    ``vllm_version`` None = the installed one; an entry with a ``vllm`` specifier never
+    applies when the version is unknown.
     """
     version = vllm_version if vllm_version is not None else installed_vllm_version()
     return [e for e in profile["known_failures"]
@@ -69,20 +43,10 @@ def entries_for(profile: Profile, vllm_version: str | None = None
 
 def unmatched(items: Iterable[pytest.Item], profile: Profile,
               vllm_version: str | None = None) -> list[str]:
-    """Entries that name a collected test file but none of its tests.
+    """``test`` globs of entries naming a collected test file but none of its tests.
 
-    Such an entry is stale (the test was renamed or re-parametrized) and would
-    silently stop covering its defect. Entries whose file was not collected at all
-    (another tier, a ``-k``/path selection) are not reported.
-
-    Args:
-        items: the collected tests, before ``-k``/``-m`` deselection.
-        profile: the loaded profile.
-        vllm_version: as for :func:`entries_for`.
-
-    Returns:
-        the ``test`` globs of the stale entries.
-
+    Such an entry is stale (test renamed or re-parametrized); entries whose file was not
+    collected are not reported. ``items`` are taken before ``-k``/``-m`` deselection.
     """
     ids = [i.nodeid for i in items]
     out = []
@@ -104,18 +68,9 @@ SYMPTOM_SEARCH_TIMEOUT_S = 1.0  # per failure text; patterns are probed at load
 def failure_message(exc: BaseException) -> str:
     """The messages of a failure and of the exceptions it was raised from.
 
-    ``Type: message`` of ``exc``, of every ``__cause__`` / ``__context__``
-    below it and of an exception group's members, one per line, without
-    tracebacks: a known failure's ``match``
-    names a symptom, and the source lines a traceback lists (e.g. the raise
-    statement that every failure of a check shares) are no symptom.
-
-    Args:
-        exc: the exception of the failed call phase.
-
-    Returns:
-        the messages, outermost first.
-
+    ``Type: message`` of ``exc``, its ``__cause__`` / ``__context__`` chain and
+    exception group members, one per line, outermost first, without tracebacks (source
+    lines shared by every failure of a check are no symptom).
     """
     import traceback
 
@@ -140,9 +95,8 @@ def failure_message(exc: BaseException) -> str:
 def has_symptom(pattern: str, text: str) -> bool:
     """Whether a known failure's ``match`` regex is in a failure's text.
 
-    Searched with ``regex`` under :data:`SYMPTOM_SEARCH_TIMEOUT_S` (patterns are
-    probed at load); a search that times out or a pattern that does not compile
-    counts as not found.
+    Searched with ``regex`` under :data:`SYMPTOM_SEARCH_TIMEOUT_S`; a timeout or a
+    pattern that does not compile counts as not found.
     """
     import regex
 
@@ -156,15 +110,9 @@ def check_symptom(item: pytest.Item, call: pytest.CallInfo[Any],
                   report: pytest.TestReport) -> None:
     """Report a known failure's test as failed when its failure is another one.
 
-    Args:
-        item: the test.
-        call: the phase's call info; only the call phase with an exception counts.
-        report: the report pytest's skipping plugin has just xfailed; changed in
-            place to ``failed`` when the entry has a ``match`` regex that the
-            failure's message (:func:`failure_message`: the exception's and its
-            causes' messages, never the traceback's source listing) does not
-            contain, with a line naming the entry appended.
-
+    Only a call phase with an exception counts: ``report`` (just xfailed) becomes
+    ``failed``, with a line naming the entry, when the entry's ``match`` is not in
+    :func:`failure_message`.
     """
     entry = item.stash.get(KNOWN_FAILURE, None)
     pattern = entry.get("match", "") if entry is not None else ""
@@ -195,28 +143,12 @@ def check_symptom(item: pytest.Item, call: pytest.CallInfo[Any],
 def note_parent_defect(item: pytest.Item, call: pytest.CallInfo[Any],
                        report: pytest.TestReport, profile: Profile,
                        vllm_version: str | None = None) -> str | None:
-    """Name the parent class's known defect a subclass's red shows.
+    """Name the parent class's known defect a subclass's red shows (the note, or None).
 
-    A profile that extends a profile of another connector class (an
-    ExampleConnector subclass with ``extends = "example"``) inherits the parent's
-    code but none of its ``[[known_failures]]``
-    (:attr:`tvc.config.profile.Profile.parent_defects`): a red of the subclass
-    with the parent entry's symptom stays red, and this adds what it is and the
-    two ways out. Only a failed call phase of a test no entry of the profile
-    names is considered; an entry matches by its ``test`` glob, its ``vllm``
-    specifier and, when it has one, its ``match`` regex searched in
-    :func:`failure_message` (entries without ``match`` match by test alone).
-
-    Args:
-        item: the test.
-        call: the phase's call info.
-        report: the failed report; its one-line message and sections get the note.
-        profile: the run's profile.
-        vllm_version: as for :func:`entries_for`.
-
-    Returns:
-        the note added, or None.
-
+    A profile extending another connector class's profile inherits none of its
+    ``[[known_failures]]`` (:attr:`tvc.config.profile.Profile.parent_defects`). For a
+    failed call phase of a test no own entry names, a parent entry matching by ``test``,
+    ``vllm`` and ``match`` (in :func:`failure_message`) adds a note to ``report``.
     """
     if not (profile.parent_defects and call.when == "call" and report.failed
             and call.excinfo is not None
@@ -250,17 +182,9 @@ def keep_setup_errors(item: pytest.Item, call: pytest.CallInfo[Any],
                       report: pytest.TestReport) -> None:
     """Undo pytest's xfail of a known failure outside its call phase.
 
-    ``pytest.mark.xfail`` turns an exception in ANY phase into "xfailed"; a known
-    failure names a defect of the test body, so an error in setup or teardown (a
-    missing GPU in strict mode, a server that does not start) must stay an error.
-
-    Args:
-        item: the test.
-        call: the phase's call info (``call.when``, ``call.excinfo``).
-        report: the report pytest's skipping plugin has just adjusted; changed in
-            place back to ``failed`` (pytest shows it as an error) when it was
-            xfailed in setup or teardown.
-
+    ``xfail`` catches exceptions in any phase; a known failure is a defect of the test
+    body, so a setup/teardown error (no GPU in strict mode, a server that does not
+    start) is set back to ``failed`` in ``report``.
     """
     if (call.when != "call" and call.excinfo is not None
             and item.stash.get(KNOWN_FAILURE, None) is not None
@@ -273,14 +197,7 @@ def apply(items: Iterable[pytest.Item], profile: Profile,
           vllm_version: str | None = None) -> list[tuple[str, str]]:
     """Mark every collected test a known failure names as a strict xfail.
 
-    Args:
-        items: the collected tests (``pytest_collection_modifyitems``).
-        profile: the loaded profile.
-        vllm_version: as for :func:`entries_for`.
-
-    Returns:
-        ``(node id, test glob)`` for every mark added.
-
+    Returns ``(node id, test glob)`` for every mark added.
     """
     entries = entries_for(profile, vllm_version)
     marked: list[tuple[str, str]] = []

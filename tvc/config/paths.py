@@ -1,20 +1,11 @@
 """Where the suite finds its data and where a run writes, in a checkout or installed.
 
-Imports nothing but the standard library: the pytest plugin reads these paths in every
-pytest run of the environment (see ``docs/packaging.md``).
-
-Two layouts:
-
-- a **checkout** (a source tree, also when installed editable): ``tvc/`` lies next to
-  ``pyproject.toml`` and ``suites/``. Run folders go to ``<checkout>/reports/``,
-  scratch to ``<checkout>/.scratch/<profile>``, the tests are ``<checkout>/suites``.
-- an **installed wheel**: ``tvc/`` lies in ``site-packages``, which the suite never
-  writes in. Run folders go to ``./reports/`` under the directory pytest was started
-  in, scratch to ``$XDG_CACHE_HOME/tutti-vllm-conformance/<profile>`` (default
-  ``~/.cache/...``), the tests are the package's copy ``tvc/suites``.
-
-``TVC_REPORTS_ROOT`` moves the run folders in both layouts (``--tvc-report-dir`` names
-one run's folder); a profile's ``[scratch] dir`` moves its scratch.
+Standard library only: the plugin reads these in every pytest run (docs/packaging.md). A
+checkout writes runs to ``<checkout>/reports/`` and scratch to
+``<checkout>/.scratch/<profile>``; an installed wheel (never writing to
+``site-packages``) to ``./reports/`` and
+``$XDG_CACHE_HOME/tutti-vllm-conformance/<profile>``. ``TVC_REPORTS_ROOT`` and
+``[scratch] dir`` move them.
 """
 
 from __future__ import annotations
@@ -41,31 +32,15 @@ CHECKOUT = _checkout(REPO_ROOT)  # None when installed from a wheel
 
 
 def suites_dir() -> Path:
-    """The folder of the suite's tests (``suites/<tier>/test_*.py``).
-
-    Returns:
-        ``<checkout>/suites`` in a checkout, else the installed package's
-        ``tvc/suites`` (shipped in the wheel from ``suites/``).
-
-    """
+    """The suite's tests: ``<checkout>/suites``, else the installed ``tvc/suites``."""
     return CHECKOUT / "suites" if CHECKOUT is not None else PACKAGE_DIR / "suites"
 
 
 def reports_root(invocation_dir: Path | None = None) -> Path:
-    """The folder run folders go to by default (``<root>/<time>-<profile>``).
+    """The absolute folder run folders go to by default (``<root>/<time>-<profile>``).
 
-    First match wins: ``$TVC_REPORTS_ROOT``; ``<checkout>/reports`` for a run
-    started inside the checkout; else ``<invocation_dir>/reports`` (default: the
-    current directory), where the user runs it (an editable install run from
-    another folder writes there, not into the checkout).
-
-    Args:
-        invocation_dir: the directory pytest was started in
-            (``config.invocation_params.dir``).
-
-    Returns:
-        an absolute path (it may not exist yet).
-
+    First match: ``$TVC_REPORTS_ROOT``; ``<checkout>/reports`` for a run started inside
+    the checkout; else ``<invocation_dir>/reports`` (default: the current directory).
     """
     env = os.environ.get("TVC_REPORTS_ROOT")
     if env:
@@ -77,10 +52,8 @@ def reports_root(invocation_dir: Path | None = None) -> Path:
 def reports_home(checkout: Path | None, here: Path) -> Path:
     """The default reports folder of a run started in folder ``here``.
 
-    Returns:
-        ``<checkout>/reports`` when ``here`` lies inside ``checkout``, else
-        ``<here>/reports``.
-
+    ``<checkout>/reports`` when ``here`` lies inside ``checkout``, else
+    ``<here>/reports``.
     """
     here = Path(here).resolve()
     if checkout is not None and here.is_relative_to(Path(checkout).resolve()):
@@ -91,14 +64,8 @@ def reports_home(checkout: Path | None, here: Path) -> Path:
 def default_scratch(profile_name: str) -> Path:
     """The scratch folder of a profile that sets no ``[scratch] dir``.
 
-    Args:
-        profile_name: the profile's ``name``.
-
-    Returns:
-        ``<checkout>/.scratch/<name>`` in a checkout, else
-        ``$XDG_CACHE_HOME/tutti-vllm-conformance/<name>`` (``$XDG_CACHE_HOME``
-        defaults to ``~/.cache``, as the XDG base directory specification says).
-
+    ``<checkout>/.scratch/<name>`` in a checkout, else
+    ``$XDG_CACHE_HOME/tutti-vllm-conformance/<name>`` (default ``~/.cache``, per XDG).
     """
     if CHECKOUT is not None:
         return CHECKOUT / ".scratch" / profile_name
@@ -110,8 +77,6 @@ def default_scratch(profile_name: str) -> Path:
 def is_legacy_scratch(path: Path, profile_name: str) -> bool:
     """True for a checkout's default ``.scratch/<name>`` (folders predate markers).
 
-    Only there the suite adopts an existing unmarked folder
-    (:func:`tvc.core.run_store.claim_dir`); the installed default is a new location
-    and follows the ownership-marker rules of any other folder.
+    Only there an unmarked folder is adopted (:func:`tvc.core.run_store.claim_dir`).
     """
     return CHECKOUT is not None and Path(path) == CHECKOUT / ".scratch" / profile_name

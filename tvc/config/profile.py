@@ -1,18 +1,10 @@
 """Target profiles: one TOML file loaded into a validated, interpolated Profile.
 
-What a profile holds and how it is selected (``--tvc-profile NAME|PATH``,
-``$TVC_PROFILE``, ``example``), inherited (``[profile] extends``) and interpolated
-(``${VAR}``, ``${VAR:-default}``, ``${SCRATCH}``) is described in docs/profiles.md;
-its keys are the pydantic models of :mod:`tvc.config.schema`.
-
-Loading: each file of the ``extends`` chain is read within size and shape bounds (the
-``MAX_*`` constants below) and checked for keys and types by the models; the files are
-merged key by key (``[[known_failures]]`` only within one connector class), relative
-paths resolved against the file that sets them, variables substituted, and the result
-validated whole: values, cross-key and safety rules (:mod:`tvc.config.schema`,
-:mod:`tvc.config.checks`). Bad input never crashes or hangs the loader: every problem
-is one :class:`ProfileError` line naming the file and the key, and loading is refused
-once it has used :data:`LOAD_BUDGET_S` of CPU time.
+Selection (``--tvc-profile NAME|PATH``, ``$TVC_PROFILE``, ``example``), ``extends`` and
+``${VAR}`` interpolation: docs/profiles.md; keys: :mod:`tvc.config.schema`. Entry
+points: :func:`load`, :class:`Profile`. Bad input never crashes or hangs the loader:
+every problem is one :class:`ProfileError` line naming file and key, and a load is
+refused after :data:`LOAD_BUDGET_S` of CPU time.
 """
 
 from __future__ import annotations
@@ -97,8 +89,7 @@ MAX_MESSAGE_CHARS = 400  # one ProfileError line at most
 class ProfileError(Exception):
     """A profile cannot be used; the message is one line naming the file and key.
 
-    The message never contains a newline and is at most :data:`MAX_MESSAGE_CHARS`
-    characters (longer ones are cut at a word with "…").
+    At most :data:`MAX_MESSAGE_CHARS` characters (cut at a word with "…").
     """
 
     def __init__(self, message: str) -> None:
@@ -128,13 +119,7 @@ def installed_vllm_version() -> str | None:
 def version_matches(version: str | None, specifier: str) -> bool:
     """Whether ``version`` is in the PEP 440 ``specifier`` (pre-releases included).
 
-    Args:
-        version: a version string; None or an unparsable one matches nothing.
-        specifier: e.g. ``">=0.26,<0.29"``; empty matches every version.
-
-    Returns:
-        True when it matches.
-
+    None or an unparsable version matches nothing; an empty specifier matches all.
     """
     if not specifier:
         return True
@@ -152,25 +137,14 @@ SEARCH_WALL_FACTOR = 30  # search_log may wait up to 30x its CPU limit for CPU
 def search_log(pattern: str, text: str, timeout_s: float = 1.0) -> bool:
     """Search a server log for the profile's ``hit_log_pattern``, CPU-time-bounded.
 
-    The pattern is searched in each line (a log message is one line), of which the
-    first :data:`MAX_LOG_LINE_CHARS` characters are read: the length the pattern
-    was probed with at load. Uses the ``regex`` package, whose search can be
-    stopped (``re``'s cannot); the limit is CPU time of this thread
-    (:func:`tvc.config.checks.search_cpu`), so a harmless pattern does not fail
-    on a loaded box.
-
-    Args:
-        pattern: ``connector.hit_log_pattern``.
-        text: log text.
-        timeout_s: CPU seconds the whole search may use (it may wait up to
-            :data:`SEARCH_WALL_FACTOR` times as long for them).
-
-    Returns:
-        True when the pattern occurs in a line of ``text``.
+    Per line, the first :data:`MAX_LOG_LINE_CHARS` characters (as probed at load), with
+    the ``regex`` package (stoppable, unlike ``re``). ``timeout_s`` is CPU seconds of
+    this thread (:func:`tvc.config.checks.search_cpu`); the wall wait is at most
+    :data:`SEARCH_WALL_FACTOR` times that.
 
     Raises:
-        ProfileError: the search used over ``timeout_s`` of CPU (the pattern
-            backtracks on this log), or the pattern does not compile.
+        ProfileError: the search used over ``timeout_s`` of CPU, or the pattern does not
+            compile.
 
     """
     try:
@@ -205,19 +179,14 @@ class Profile:
     """A validated, interpolated target profile.
 
     Attributes:
-        name: ``[profile] name``.
         source: path of the TOML file it came from.
-        data: section -> key -> value, with every default filled in, plus
+        data: section -> key -> value, defaults filled in, plus
             ``data["known_failures"]``: list of ``{test, reason, link, vllm}``.
         scratch: the suite-owned scratch directory (created on first use).
-        notes: remarks collected while loading.
         chain: the files read, ``source`` first, then what it extends.
-        parent_defects: the ``[[known_failures]]`` of a profile this one extends
-            that names another connector class (``extends = "example"`` for an
-            ExampleConnector subclass): not applied (they are the parent class's
-            defects), but a failure showing one of their symptoms says so
-            (:func:`tvc.config.known_failures.note_parent_defect`). Each is
-            ``(parent class name, file that lists it, entry)``.
+        parent_defects: ``(parent class name, file, entry)`` for ``[[known_failures]]``
+            of an extended profile naming another connector class: not applied, only
+            cited (:func:`tvc.config.known_failures.note_parent_defect`).
 
     """
 
@@ -236,11 +205,9 @@ class Profile:
     def kv_transfer_config(self) -> dict[str, Any]:
         """The ``kv_transfer_config`` dict vLLM takes (``--kv-transfer-config`` JSON).
 
-        Returns:
-            dict with ``kv_connector``, ``kv_role``, ``kv_connector_extra_config``,
-            ``kv_connector_module_path`` when the profile sets it, and every key of
-            ``connector.kv_transfer`` (e.g. ``kv_port``, ``engine_id``).
-
+        ``kv_connector``, ``kv_role``, ``kv_connector_extra_config``,
+        ``kv_connector_module_path`` when set, and every key of
+        ``connector.kv_transfer``.
         """
         c = self.data["connector"]
         cfg: dict[str, Any] = {
@@ -256,15 +223,9 @@ class Profile:
     def select_hit_rule(self, vllm_version: str | None = None) -> tuple[str, str]:
         """The hit rule that applies to a vLLM version, and its source.
 
-        Args:
-            vllm_version: e.g. ``"0.28.0"``; None = the installed vLLM
-                (:func:`installed_vllm_version`).
-
-        Returns:
-            ``(rule, source)``: the first ``connector.hit_rules`` entry whose
-            ``vllm`` specifier contains the version, else ``connector.hit_rule``
-            and ``connector.hit_rule_source``; ``("", "")`` when neither applies.
-
+        ``vllm_version`` None means the installed one. Returns the first
+        ``connector.hit_rules`` entry whose ``vllm`` specifier contains it, else
+        ``connector.hit_rule`` / ``hit_rule_source``; ``("", "")`` when neither applies.
         """
         c = self.data["connector"]
         if c["hit_rules"]:
@@ -277,15 +238,10 @@ class Profile:
 
     def expected_hit_tokens(self, prompt_len: int, block_size: int,
                             vllm_version: str | None = None) -> int:
-        """Evaluate the profile's hit rule: tokens a second pass should match.
+        """Evaluate the profile's hit rule: tokens (>= 0) a second pass should match.
 
-        Args:
-            prompt_len: prompt length in tokens (``len``).
-            block_size: KV block size in tokens (``B``).
-            vllm_version: chooses among ``connector.hit_rules``; None = installed.
-
-        Returns:
-            matched tokens (int, >= 0).
+        ``prompt_len`` and ``block_size`` (B) are in tokens; ``vllm_version`` picks
+        among ``connector.hit_rules`` (None = installed).
 
         Raises:
             ProfileError: no hit rule applies, or it divides by zero here.
@@ -307,14 +263,9 @@ class Profile:
                 f"{why(exc)}") from None
 
     def granularity_tokens(self, block_size: int) -> int:
-        """Tokens the connector stores per unit (``connector.granularity``).
+        """Tokens (>= 1) the connector stores per unit (``connector.granularity``) at B.
 
-        Args:
-            block_size: KV block size in tokens (``B``).
-
-        Returns:
-            tokens per stored unit (>= 1), e.g. ``B`` for per-block stores or
-            ``B * blocks_per_chunk`` for whole chunks.
+        E.g. ``B`` for per-block stores or ``B * blocks_per_chunk`` for whole chunks.
 
         Raises:
             ProfileError: the expression cannot be evaluated at this block size.
@@ -347,15 +298,9 @@ def _deep_copy(value: Any) -> Any:
 
 
 def pop_extra_config_key(extra: dict[str, Any], dotted: str) -> bool:
-    """Remove a dotted key from an extra_config in place (for "missing key" checks).
+    """Remove a dotted key from an extra_config in place; True when it was there.
 
-    Args:
-        extra: ``kv_connector_extra_config`` (a copy the caller owns).
-        dotted: e.g. ``"capacity_bytes"`` or ``"store.options.num_chunks"``.
-
-    Returns:
-        True when the key was there.
-
+    ``dotted`` is e.g. ``"store.options.num_chunks"``; ``extra`` is a caller-owned copy.
     """
     *parents, leaf = dotted.split(".")
     node: Any = extra
@@ -397,13 +342,7 @@ def _is_file(path: Path, what: str) -> bool:
 
 
 def resolve_path(selector: str | None) -> Path:
-    """Turn a ``--tvc-profile`` value into a file path.
-
-    Args:
-        selector: a built-in name, a path, or None for ``$TVC_PROFILE`` / the default.
-
-    Returns:
-        path of the TOML file.
+    """Turn a ``--tvc-profile`` value (name, path, None = env/default) into a file path.
 
     Raises:
         ProfileError: no such built-in profile or file.
@@ -462,18 +401,13 @@ class _Budget:
 def load(selector: str | None = None, env: Mapping[str, str] | None = None) -> Profile:
     """Load, validate and interpolate a profile.
 
-    Args:
-        selector: as for :func:`resolve_path`.
-        env: environment for ``${VAR}`` (default ``os.environ``).
-
-    Returns:
-        the :class:`Profile`.
+    ``env`` feeds ``${VAR}`` (default ``os.environ``).
 
     Raises:
-        ProfileError: unreadable or oversized TOML, unknown section or key, wrong
-            type, missing required key, unset variable, an unsafe scratch or store
-            path, a bad hit rule or log pattern, or a bad value; always one line
-            naming file and key, never another exception.
+        ProfileError: unreadable or oversized TOML, unknown section or key, wrong type,
+            missing required key, unset variable, an unsafe scratch or store path, a bad
+            hit rule or log pattern, or a bad value; always one line naming file and
+            key, never another exception.
 
     """
     env = os.environ if env is None else env
@@ -523,9 +457,7 @@ def _load(selector: str | None, env: Mapping[str, str], state: dict[str, Any],
     parent_defects: tuple[tuple[str, Path, Mapping[str, Any]], ...] = ()
     if known and known_owner != _connector_class(data):
         # known failures are defects of the connector class that lists them: a
-        # profile naming another class (a subclass extending "example")
-        # inherits none of them; it lists its own. They are kept aside so that a
-        # red with one of their symptoms can say whose defect it is.
+        # profile naming another class inherits none; kept aside to cite on a red.
         parent_defects = tuple((str(known_owner[0]) if known_owner else "?",
                                 known_file, dict(e)) for e in known)
         known = []
@@ -572,22 +504,9 @@ def _validate(model: type[schema.Section], data: dict[str, Any],
               prefix: tuple[str, ...] = ()) -> Any:
     """Validate ``data`` with ``model``; a refusal becomes one ProfileError line.
 
-    Args:
-        model: :class:`tvc.config.schema.ProfileModel` or one of its sections.
-        data: the TOML tables (``prefix`` is where they sit in a profile).
-        context: ``{"final": False}`` for one file of a chain (keys and types
-            only; missing keys are left to the merged profile), ``{"final": True,
-            "scratch": ..., "budget": ...}`` for the merged, interpolated profile.
-        file_of: the error's locations (where pydantic saw it, and the key a
-            refusal names) -> the file to name (:func:`_blame`).
-        prefix: where ``data`` sits in a profile, e.g. ``("profile",)``.
-
-    Returns:
-        the model instance (None for a file of a chain).
-
-    Raises:
-        ProfileError: its problems, each naming the file and the key.
-
+    ``context`` is ``{"final": False}`` for one file of a chain (keys and types only) or
+    ``{"final": True, "scratch", "budget"}`` for the merged profile; ``file_of`` maps
+    error locations to the file to name. Returns None for a file of a chain.
     """
     try:
         return model.model_validate(data, context=context)
@@ -608,10 +527,8 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
                   file_of: Any) -> str:
     """Every problem of one validation (at most :data:`MAX_PROBLEMS_NAMED`), a line.
 
-    The unknown keys of a file are named together and before their allowed keys
-    (``p.toml: unknown keys connector.a, e2e.b (allowed in connector: ...; in
-    e2e: ...)``), so a profile with several typos is mended in one go, not one
-    load per typo, and the 400-character cut falls on the allowed lists.
+    Unknown keys of a file come first, together, so several typos are fixed in one go
+    and the 400-character cut falls on the allowed lists.
     """
     parts: list[str] = []
     unknown: dict[str, tuple[list[str], dict[str, str]]] = {}  # file -> keys, allowed
@@ -657,12 +574,7 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
 
 def _blame(origin: Mapping[tuple[str, str], Path], chain: list[Path], top: Path,
            known_file: Path) -> Any:
-    """``file_of`` of the merged profile: the file to name in an error.
-
-    Of the files that set the keys an error concerns, the most derived one: a
-    user's file that replaced a built-in's ``extra_config`` is named, not the
-    built-in whose required keys it lacks.
-    """
+    """``file_of`` of the merged profile: the most derived file setting the keys."""
     order = {file: i for i, file in enumerate(chain)}
 
     def file_of(*locs: tuple[Any, ...]) -> Path:
@@ -678,8 +590,7 @@ def _walk(loc: tuple[Any, ...], data: Any) -> tuple[str, str, Any, Any, Any, int
     """Follow ``loc`` through the models.
 
     Returns:
-        (key, key of the last field on the way, that field, its value, the model
-        the key is in, parts of ``loc`` followed).
+        (key, last field's key, that field, its value, the key's model, parts followed).
 
     """
     model: Any = schema.ProfileModel
@@ -856,8 +767,7 @@ _LONG_NUMBER = re.compile(r"[+-]?\d[\d_]{40,}")
 def _check_text_shape(path: Path, text: str) -> None:
     """Refuse, before parsing, files whose arrays/tables nest over MAX_NESTING.
 
-    Scans tokens outside strings and comments; the number of scanned tokens is bounded
-    by MAX_TOKENS per kind, so the scan is fast on any 1 MiB input.
+    Scans tokens outside strings and comments, at most MAX_TOKENS per kind.
     """
     for ch, what in (("[", "'['"), ("{", "'{'"), ('"', "'\"'"), ("'", "\"'\""),
                      ("#", "'#'"), ("\n", "lines"), (".", "'.'"), (",", "','")):
@@ -972,10 +882,8 @@ def _interp(path: Path, where: str, value: Any, env: Mapping[str, str],
             builtins: Mapping[str, str], budget: _Budget | None = None) -> Any:
     """Interpolate ``${VAR}`` / ``${VAR:-default}`` in strings, recursively.
 
-    Nesting is bounded by MAX_NESTING (checked when the file was read). Each string
-    is interpolated in time linear in its length and the text substituted; the
-    result may be at most :data:`MAX_STRING_CHARS` characters, and ``budget`` is
-    checked while it runs (every :data:`_BUDGET_EVERY` references).
+    Linear time per string; results at most :data:`MAX_STRING_CHARS` characters;
+    ``budget`` checked every :data:`_BUDGET_EVERY` references.
     """
     if isinstance(value, list):
         return [_interp(path, f"{where}[{i}]", v, env, builtins, budget)
@@ -1041,12 +949,7 @@ _PATH_TAIL = re.compile(r"(?:[^\s,;:=\"'()\[\]{}$]|\$\{[^{}]*\}|\$(?!\{))*")
 def _confine_to_scratch(path: Path, where: str, raw: str, out: str,
                         env: Mapping[str, str], builtins: Mapping[str, str],
                         budget: _Budget | None = None) -> str:
-    """Paths built from ``${SCRATCH}`` stay inside it; a pure path is normalised.
-
-    Each ``${SCRATCH}`` is checked with the path text after it up to the next
-    ``${SCRATCH}`` (which is checked in turn), so the work is linear in the
-    string; a string that is one path is also checked whole.
-    """
+    """Paths built from ``${SCRATCH}`` stay inside it (checked in linear time)."""
     scratch = builtins["SCRATCH"]
     inside = scratch.rstrip("/") + "/"
     starts = [m for m in _VAR.finditer(raw) if m.group(1) == "SCRATCH"]
@@ -1090,22 +993,12 @@ def _kv_transfer_key(field_name: str, role_fields: Mapping[str, Any],
 def check_kv_transfer_config(profile: Profile) -> bool:
     """Check the profile's ``kv_transfer_config`` with vLLM's own ``KVTransferConfig``.
 
-    The dict a server or rig is given (:meth:`Profile.kv_transfer_config`, and for
-    a P/D profile the producer and consumer variants with ``[pd] producer`` /
-    ``consumer`` merged in) is built into ``vllm.config.kv_transfer
-    .KVTransferConfig``, so a field vLLM refuses (an unknown field, a wrong type,
-    ``kv_load_failure_policy = "bogus"``) stops the run at start-up naming the
-    profile key, instead of failing a test through vLLM's error. Only the config
-    is checked: the connector class is not imported. vLLM's import logs are kept
-    out of the output (its logger is set to WARNING while it loads, then back).
-
-    vLLM is imported for it only when the profile sets further fields
-    (``connector.kv_transfer``, ``[pd] producer`` / ``consumer``): name, role and
-    extra_config are checked by :func:`load` itself.
-
-    Returns:
-        True when vLLM checked the config; False when it did not (vLLM not
-        installed, or nothing beyond what :func:`load` checks).
+    The dicts a server gets (:meth:`Profile.kv_transfer_config`, and the ``[pd]``
+    producer / consumer variants) are built into
+    ``vllm.config.kv_transfer.KVTransferConfig``, so a refused field stops the run
+    naming the profile key; the connector is not imported and vLLM's import logs are
+    muted. Returns False when vLLM is not installed or nothing beyond :func:`load`'s
+    checks is set (``connector.kv_transfer``, ``[pd]``).
 
     Raises:
         ProfileError: vLLM refuses a field; one line naming the key.
@@ -1178,19 +1071,14 @@ def _kv_transfer_refusal(source: Path, exc: ValueError, role_fields: Mapping[str
 def claim_owned_paths(profile: Profile) -> list[Path]:
     """Mark the folders a run of ``profile`` writes in as the suite's, before it runs.
 
-    The scratch directory is created and marked (an earlier run's, marked, is
-    kept; the default ``<repo>/.scratch/<name>``, whose folders predate markers, is
-    adopted), and so is every new folder of ``[store] test_devices``
-    (:func:`claim_store_paths`), so a folder accepted at load is the suite's
-    before a connector writes in it. An existing folder without the marker is
-    never adopted, empty or not.
-
-    Returns:
-        the folders claimed.
+    Creates and marks the scratch directory (keeps a marked one; adopts the default
+    ``<repo>/.scratch/<name>``) and new ``[store] test_devices`` folders
+    (:func:`claim_store_paths`). An unmarked existing folder is never adopted. Returns
+    the folders claimed.
 
     Raises:
-        ProfileError: the scratch is no longer the suite's (someone wrote in it
-            since the load), or cannot be created; one line naming the key.
+        ProfileError: the scratch is no longer the suite's (written since the load), or
+            cannot be created; one line naming the key.
 
     """
     default = is_legacy_scratch(Path(profile.data["scratch"]["dir"]), profile.name)
@@ -1207,18 +1095,12 @@ def claim_owned_paths(profile: Profile) -> list[Path]:
 def claim_store_paths(profile: Profile) -> list[Path]:
     """Create, with the suite's marker, the test-device folders not made yet.
 
-    A folder of ``[store] test_devices`` that does not exist is one the suite
-    creates for this run, marked, so connector stores declared there (the load
-    allowed no other place outside scratch) lie in a folder the suite made; one
-    that exists was accepted at load because an earlier run marked it. Device
-    nodes are left as they are.
-
-    Returns:
-        the folders created.
+    An existing folder was accepted at load because an earlier run marked it; device
+    nodes are left as they are. Returns the folders created.
 
     Raises:
-        ProfileError: a folder appeared meanwhile and is not the suite's, or
-            cannot be created; one line naming the key.
+        ProfileError: a folder appeared meanwhile and is not the suite's, or cannot be
+            created; one line naming the key.
 
     """
     done = []
@@ -1259,8 +1141,7 @@ def _resolve_relative(value: str, origin: Path) -> str:
 def known_failure_matches(entry: Mapping[str, Any], nodeid: str) -> bool:
     """Whether a ``[[known_failures]]`` entry's ``test`` glob names ``nodeid``.
 
-    An exact node id matches even when it contains ``[...]`` (fnmatch would read the
-    brackets as a character class).
+    An exact node id matches even with ``[...]`` (fnmatch reads those as a class).
     """
     glob = entry["test"]
     return nodeid == glob or fnmatch.fnmatchcase(nodeid, glob)

@@ -1,54 +1,18 @@
 """The e2e tier's plan: its prompts, the baseline, concurrency, load failures, variants.
 
-Baseline
-    One server with the profile's model and serve args but no ``--kv-transfer-config``
-    (vLLM alone) answers every prompt the e2e tier will send, once per run, before
-    any connector server starts (one vLLM server per GPU at a time). Its outputs are
-    the reference each connector output is compared with
-    (:func:`tvc.e2e.two_pass.baseline_verdict`). The prompts are a pure function of the
-    run seed, the token range, the block size B and the profile
-    (:class:`PromptBook`), so the baseline phase knows them all up front.
+Baseline: a server without ``--kv-transfer-config`` answers every prompt of the run's
+:class:`PromptBook` (a pure function of seed, token range, B and profile) before any
+connector server starts; :func:`tvc.e2e.two_pass.baseline_verdict` compares against it.
 
-Concurrency
-    N requests (``[e2e] concurrency``) sent at once after a store pass, after ``POST
-    /reset_prefix_cache``. Requests scheduled in one step share vLLM's GPU prefix
-    cache: a block one request allocates (its external tokens included, for a
-    synchronous load) can be a local hit for the next. So which of a request's
-    cached tokens come from the GPU cache and which from the connector is not
-    predictable, but their sum is: vLLM asks the connector for the tokens after
-    the local hit (``get_num_new_matched_tokens(request, num_computed_tokens)``), so
-    a request's cached tokens are ``max(local hit, hit rule)``. The plan makes that
-    equal to the hit rule for every request:
+Concurrency: N requests at once after a store pass and a prefix-cache reset. vLLM asks
+the connector only for tokens after the local hit (``get_num_new_matched_tokens(request,
+num_computed_tokens)``), so a request's cached tokens are ``max(local hit, rule)``; the
+plan picks L with ``rule(L) == (L - 1) // B * B`` and group prefixes P <= ``rule(L)`` so
+that equals ``rule(L)``. Per wave, ``local_cache_hit + external_kv_transfer`` rises by
+exactly ``N x rule(L)``.
 
-    - every prompt has one length L with ``rule(L) == (L - 1) // B * B`` (the most a
-      local hit can reach: vLLM always recomputes the last prompt token), searched
-      from ``[e2e] prompt_tokens`` up; when no such L is near, identical prompts are
-      left out (an identical twin's local hit could exceed the rule);
-    - prompts of a group share a prefix of P tokens, P a multiple of B and of the
-      connector's granularity and at most ``rule(L)``, so a local hit on a sibling's
-      prefix never exceeds the rule.
-
-    Then, per wave: ``local_cache_hit + external_kv_transfer`` (vLLM's per-request
-    ``prompt_tokens_by_source``) rises by exactly ``N x rule(L)``; the external-hit
-    counter rises by at most that and at least the conservative bound
-    ``sum(max(0, rule(L) - longest full-block prefix shared with another request))``,
-    i.e. the tokens no other request in the wave can have put in the GPU cache.
-
-Load failures
-    A server whose connector is wrapped by ``tvc.contract.faults`` (mode ``fail_load``)
-    for
-    each ``kv_load_failure_policy`` (``recompute``, ``fail``; vLLM 0.26/0.28
-    ``KVTransferConfig``) and with async scheduling on and off
-    (``--async-scheduling`` / ``--no-async-scheduling``, both versions). vLLM's
-    scheduler (``_handle_invalid_blocks``) logs ``Recovered from KV load failure``
-    and recomputes, or logs ``Failing N request(s) due to KV load failure`` and
-    finishes the request with reason ``error``, which the API server turns into a
-    500 error event (see :mod:`tvc.procs.client`).
-
-Engine variants
-    :data:`VARIANTS`: a tiny sliding-window model, n-gram speculative decoding, and
-    chunked prefill with a prompt longer than ``--max-num-batched-tokens``; each runs
-    its own baseline and connector server, one after the other.
+Load failures (``tvc.contract.faults`` ``fail_load``, per ``kv_load_failure_policy`` and
+async scheduling on/off) and engine :data:`VARIANTS`: see docs/tiers.md, "e2e (GPU)".
 """
 
 from __future__ import annotations
@@ -84,9 +48,8 @@ from tvc.procs.client import (
 DEFAULT_CONCURRENCY = 16  # [e2e] concurrency default (the profile schema's)
 DEFAULT_LOGPROB_ATOL = tp.LOGPROB_ATOL  # [e2e] logprob_atol default
 BOUNDARY_BLOCKS = 4  # boundary prompts at 4*B - 1, 4*B, 4*B + 1
-# [e2e] boundary_repeats default (the profile schema's): fresh prompts per boundary
-# length, so a fault that strikes only some prompts (a race, a key collision) has
-# several chances to show
+# [e2e] boundary_repeats default (the profile schema's): several fresh prompts per
+# boundary length, so a fault striking only some prompts has several chances to show
 DEFAULT_BOUNDARY_REPEATS = 3
 # A concurrency wave: a quarter of the requests are identical twins of others, the
 # rest come in groups of three sharing a prefix (the suite's choice: several groups,
@@ -115,15 +78,7 @@ def case_id(policy: str, async_scheduling: bool) -> str:
 
 
 def e2e_setting(profile: Any, key: str, default: Any) -> Any:
-    """A key of the profile's ``[e2e]`` section, or ``default`` when absent.
-
-    Args:
-        profile: the loaded profile.
-        key: a key of ``[e2e]`` (``prompt_tokens``, ``concurrency``, ``baseline``,
-            ``logprob_atol``, ``seed``...).
-        default: the value for an absent or None key.
-
-    """
+    """A key of the profile's ``[e2e]`` section, or ``default`` when absent or None."""
     value = profile.data.get("e2e", {}).get(key, default)
     return default if value is None else value
 
@@ -132,16 +87,13 @@ def e2e_setting(profile: Any, key: str, default: Any) -> Any:
 
 @dataclass
 class ConcurrencyPlan:
-    """One concurrency wave (see the module docstring).
+    """One concurrency wave (see the module docstring); lengths in tokens.
 
     Attributes:
-        length: L, the prompt length of every request.
-        shared_prefix: P, tokens shared by the prompts of one group (0 = none).
+        length / shared_prefix: L and P (0 = no shared prefix).
         requests: prompt names in send order (twins repeat a name).
-        distinct: the distinct prompt names (the store pass sends these).
-        twins: whether identical requests are included.
-        rule_tokens: the hit rule at L (tokens a stored prompt matches).
-        expected_cached: ``len(requests) * rule_tokens``.
+        rule_tokens: the hit rule at L; ``expected_cached`` = ``len(requests) *
+            rule_tokens``.
         min_external: the conservative lower bound on external hits.
 
     """
@@ -161,19 +113,10 @@ class ConcurrencyPlan:
 class PromptBook:
     """Every prompt the e2e tier sends, by name, from the run seed.
 
-    Attributes:
-        seed: the run's prompt seed (:func:`tvc.e2e.two_pass.run_seed`).
-        token_range: ``[lo, hi)`` token ids to draw from.
-        block_size: B of the servers (the baseline's, checked on the others).
-        prompt_tokens: ``[e2e] prompt_tokens`` (the acceptance prompt length).
-        concurrency: ``[e2e] concurrency`` (requests per wave).
-        boundary_repeats: ``[e2e] boundary_repeats`` (fresh prompts per
-            boundary length, see :meth:`boundary_keys`).
-        rule: tokens a stored prompt of a given length matches (the profile's hit
-            rule at ``block_size``).
-        granularity: tokens the connector stores per unit (B unless the profile
-            says otherwise).
-
+    ``seed`` is :func:`tvc.e2e.two_pass.run_seed`'s; ``token_range`` is ``[lo, hi)``;
+    ``block_size`` B is the baseline's (checked on the others); ``rule`` maps a prompt
+    length to the hit rule at B; ``granularity`` is tokens per stored unit (B by
+    default).
     """
 
     seed: int
@@ -203,12 +146,8 @@ class PromptBook:
     def repetitive_tokens(self, key: str, n: int) -> list[int]:
         """``n`` tokens: a seeded permutation of the token range, repeated.
 
-        Every id of ``[lo, hi)`` occurs (when ``n >= hi - lo``), so whatever token a
-        model generates within the range, an n-gram proposer with
-        ``prompt_lookup_min = 1`` finds it in the context and proposes what followed
-        it. (With a 24-token pattern repeated and ``prompt_lookup_min = 2``, vLLM
-        0.26.0 on the H200 proposed no draft token at all for the tiny
-        random-weight model.)
+        Every id of ``[lo, hi)`` occurs (when ``n >= hi - lo``), so an n-gram proposer
+        with ``prompt_lookup_min = 1`` finds any generated token in the context.
         """
         lo, hi = self.token_range
         unit = list(range(lo, hi))
@@ -222,10 +161,9 @@ class PromptBook:
         Returns:
             name -> token ids; names: ``acceptance``, ``false-hit-stored``,
             ``false-hit-unrelated``, ``false-hit-first-token-changed``,
-            ``boundary-kB-1|kB|kB+1`` (and ``-r<i>`` repeats, see
-            :meth:`boundary_keys`), ``restart``, ``local-then-external``,
-            ``concurrency-<i>``,
-            ``load-failure-<case>`` and ``load-failure-<case>-after``.
+            ``boundary-kB-1|kB|kB+1`` (and ``-r<i>`` repeats), ``restart``,
+            ``local-then-external``, ``concurrency-<i>``, ``load-failure-<case>`` and
+            ``load-failure-<case>-after``.
 
         """
         if self._cache:
@@ -256,13 +194,10 @@ class PromptBook:
     def boundary_keys(self, tag: str) -> list[str]:
         """Names of the fresh prompts of one boundary length.
 
-        Args:
-            tag: ``kB-1``, ``kB`` or ``kB+1``.
+        ``tag`` is ``kB-1``, ``kB`` or ``kB+1``; returns
 
-        Returns:
-            ``boundary-<tag>``, then ``boundary-<tag>-r1`` ... up to
-            :attr:`boundary_repeats` names.
-
+        ``boundary-<tag>``, then ``boundary-<tag>-r1`` ... up to
+        :attr:`boundary_repeats` names.
         """
         return [f"boundary-{tag}" + (f"-r{i}" if i else "")
                 for i in range(max(1, self.boundary_repeats))]
@@ -270,12 +205,12 @@ class PromptBook:
     def local_blocks(self) -> int:
         """Blocks of ``local-then-external`` that vLLM's GPU prefix cache holds.
 
-        An odd number (so the local hit ends off any chunk grid of two blocks or
-        more), about half the prompt, leaving at least two blocks after it.
+        An odd number (off any chunk grid of two blocks or more), about half the prompt,
+        leaving at least two blocks after it.
 
         Raises:
-            ValueError: the prompt has fewer than 3 blocks (``[e2e]
-                prompt_tokens`` too small for the test).
+            ValueError: the prompt has fewer than 3 blocks (``[e2e] prompt_tokens`` too
+                small).
 
         """
         blocks = self.prompt_tokens // self.block_size
@@ -286,12 +221,7 @@ class PromptBook:
         return min(max(1, blocks // 2) | 1, blocks - 2)
 
     def get(self, name: str) -> list[int]:
-        """One named prompt.
-
-        Raises:
-            KeyError: the name is not in :meth:`prompts` (a suite bug).
-
-        """
+        """One named prompt; KeyError if not in :meth:`prompts` (a suite bug)."""
         book = self.prompts()
         if name not in book:
             raise KeyError(f"no e2e prompt named {name!r} (known: "
@@ -303,9 +233,9 @@ class PromptBook:
         """L for the concurrency wave and whether twins are safe at it.
 
         Returns:
-            the smallest L >= ``prompt_tokens`` with ``rule(L) > 0`` and
-            ``rule(L) == (L - 1) // B * B`` within :data:`LENGTH_SEARCH_UNITS`
-            units, and True; else (``prompt_tokens``, False).
+            the smallest L >= ``prompt_tokens`` with ``rule(L) > 0`` and ``rule(L) == (L
+            - 1) // B * B`` within :data:`LENGTH_SEARCH_UNITS` units, and True; else
+            (``prompt_tokens``, False).
 
         """
         b = self.block_size
@@ -376,17 +306,9 @@ def prompt_book(profile: Any, block_size: int, token_range: tuple[int, int],
                 seed: int | None = None) -> PromptBook:
     """The run's :class:`PromptBook` for ``profile`` at block size B.
 
-    Args:
-        profile: the run's :class:`tvc.config.profile.Profile`.
-        block_size: B of the servers.
-        token_range: ``[lo, hi)`` from :func:`tvc.env.model.prompt_token_range`.
-        seed: prompt seed (``tvc_prompt_seed[0]``); default
-            :func:`tvc.e2e.two_pass.run_seed` outside a suite run.
-
-    Returns:
-        the book (``[e2e] prompt_tokens`` and ``concurrency`` read with defaults;
-        granularity from ``Profile.granularity_tokens``).
-
+    ``token_range`` is ``[lo, hi)`` from :func:`tvc.env.model.prompt_token_range`;
+    ``seed`` defaults to :func:`tvc.e2e.two_pass.run_seed` outside a suite run.
+    Granularity comes from ``Profile.granularity_tokens``.
     """
     gran = int(profile.granularity_tokens(block_size))
     return PromptBook(
@@ -408,10 +330,7 @@ class Baseline:
     """The baseline server's outputs for every prompt of a :class:`PromptBook`.
 
     Attributes:
-        book: the prompts.
         outputs: prompt name -> the baseline output.
-        argv: the baseline server's argv.
-        log_path: its log.
         seconds: wall time of the phase (start, prompts, stop).
 
     """
@@ -423,12 +342,7 @@ class Baseline:
     seconds: float = 0.0
 
     def get(self, name: str) -> Completion:
-        """The baseline output of one prompt.
-
-        Raises:
-            KeyError: the baseline phase did not send that prompt (a suite bug).
-
-        """
+        """The baseline output of one prompt; KeyError if the phase did not send it."""
         if name not in self.outputs:
             raise KeyError(f"the baseline phase has no output for prompt {name!r}")
         return self.outputs[name]
@@ -452,17 +366,8 @@ def collect_baseline(client: Any, prompts: Mapping[str, Sequence[int]],
                      ) -> dict[str, Completion]:
     """Send every prompt to the baseline server, one at a time, from a cold cache.
 
-    Each prompt follows a ``POST /reset_prefix_cache``, so every baseline output
-    is computed from the prompt alone (no prefix-cache reuse between prompts).
-
-    Args:
-        client: a :class:`tvc.procs.client.VllmClient` of the baseline server.
-        prompts: name -> token ids.
-        max_tokens: tokens per output (as the e2e checks ask).
-        top_k: logprobs per position.
-
-    Returns:
-        name -> output.
+    Each prompt follows a ``POST /reset_prefix_cache`` (no reuse between prompts).
+    ``top_k`` is logprobs per position.
 
     Raises:
         ServerError: a request failed (the message names the prompt).
@@ -493,17 +398,8 @@ def send_concurrently(base_url: str, model: str, prompts: Sequence[Sequence[int]
                       timeout_s: float = 300.0) -> list[Completion]:
     """Send all prompts at once (one thread and HTTP session each, a barrier).
 
-    Args:
-        base_url: server root.
-        model: served model name.
-        prompts: token-id prompts, in request order.
-        max_tokens: tokens per output.
-        top_k: logprobs per position.
-        timeout_s: per-request timeout in seconds.
-
-    Returns:
-        the outputs in request order (errors in ``Completion.error``).
-
+    Returns the outputs in request order, errors in ``Completion.error``; ``timeout_s``
+    is per request, in seconds.
     """
     barrier = threading.Barrier(len(prompts))
 
@@ -526,12 +422,10 @@ class WaveResult:
     """One concurrency wave on a connector server.
 
     Attributes:
-        plan: the wave's plan.
         outputs: (prompt name, output) per request, in send order.
         store_outputs: the store pass's output per distinct prompt name.
-        deltas: ``external_hits`` (the external-hit counter), ``local_source`` and
-            ``external_source`` (``prompt_tokens_by_source``) over the wave, tokens.
-        prompts: token ids by prompt name.
+        deltas: ``external_hits``, ``local_source`` and ``external_source``
+            (``prompt_tokens_by_source``) over the wave, in tokens.
 
     """
 
@@ -546,19 +440,11 @@ def run_wave(server: Any, book: PromptBook, max_tokens: int = tp.MAX_TOKENS,
              top_k: int = tp.TOP_K) -> WaveResult:
     """Store pass (each distinct prompt once, in turn), reset, then the wave at once.
 
-    Args:
-        server: a running connector server (``client()``, ``url``).
-        book: the prompts.
-        max_tokens: tokens per output.
-        top_k: logprobs per position.
-
-    Returns:
-        the :class:`WaveResult`; counters are read once vLLM has counted every
-        request of the wave as finished.
+    Counters are read once vLLM has counted every request of the wave as finished.
 
     Raises:
-        ServerError: a store-pass request failed, or the counters never counted
-            the wave.
+        ServerError: a store-pass request failed, or the counters never counted the
+            wave.
 
     """
     plan = book.concurrency_plan()
@@ -599,15 +485,10 @@ def check_wave_outputs(w: WaveResult, baseline: Baseline | None,
                        atol: float = DEFAULT_LOGPROB_ATOL) -> None:
     """Every request of the wave completed and equals the baseline output.
 
-    Without a baseline the store pass's output of the same prompt is the reference.
-    The message names the first request that differs, whether the store pass
-    (computed, one request at a time) already differed, whether the wrong output
-    is another prompt's (the connector served one request's KV to another), and
-    every request that differs; when some are right and every one that differs
-    shares a prefix with another request of the wave, it says so (a local
-    prefix-cache hit plus an external hit: a connector whose load ignores
-    ``num_computed_tokens``; vLLM admits them in arrival order, so which ones
-    differ varies).
+    Without a baseline the store pass's output is the reference. The message names the
+    requests that differ, whether the store pass already differed, whether the output is
+    another prompt's, and when every differing one shares a prefix with another request
+    (a load that ignores ``num_computed_tokens``).
 
     Raises:
         AssertionError: a failed request or a differing output.
@@ -672,12 +553,7 @@ def check_wave_outputs(w: WaveResult, baseline: Baseline | None,
 
 
 def _shared_with_others(w: WaveResult, i: int) -> int:
-    """Leading tokens request ``i`` shares with another request of the wave.
-
-    Returns:
-        0 when none; an identical twin counts as all of its tokens.
-
-    """
+    """Leading tokens request ``i`` shares with another one (a twin: all its tokens)."""
     mine = w.prompts.get(w.plan.requests[i], [])
     best = 0
     for j, other in enumerate(w.plan.requests):
@@ -691,9 +567,9 @@ def check_wave_hits(w: WaveResult) -> None:
     """The wave's cached tokens equal the hit-rule sum; external hits in bounds.
 
     Raises:
-        AssertionError: ``local_cache_hit + external_kv_transfer`` is not
-            ``N x rule(L)``; the external counter disagrees with the by-source
-            counter; or external hits fall outside ``[min_external, N x rule(L)]``.
+        AssertionError: ``local_cache_hit + external_kv_transfer`` is not ``N x
+            rule(L)``; the external counter disagrees with the by-source counter; or
+            external hits fall outside ``[min_external, N x rule(L)]``.
 
     """
     p, d = w.plan, w.deltas
@@ -736,16 +612,9 @@ def check_wave_hits(w: WaveResult) -> None:
 class LoadFailureRun:
     """What a server with failing KV loads did with one stored prompt.
 
-    Attributes:
-        policy: ``kv_load_failure_policy`` of the server.
-        async_scheduling: whether the server ran with ``--async-scheduling``.
-        pass1: the computing pass (stores the KV).
-        pass2: the pass after the prefix-cache reset (its load fails).
-        after: a following request with a fresh prompt.
-        healthy_after: ``/health`` answered 200 after pass 2.
-        log: the server log written from pass 2 on.
-        external_hits_pass2: external-hit counter increase during pass 2.
-
+    ``pass1`` computed (and stored) it, ``pass2`` followed the prefix-cache reset (its
+    load fails), ``after`` is a fresh request; ``healthy_after``: ``/health`` answered
+    200 after pass 2; ``log`` is the server log from pass 2 on.
     """
 
     policy: str
@@ -764,18 +633,8 @@ def run_load_failure(server: Any, prompt: Sequence[int], after_prompt: Sequence[
                      ) -> LoadFailureRun:
     """Pass 1, reset the GPU prefix cache, pass 2 (load fails), one more request.
 
-    Args:
-        server: a running server whose connector fails its loads.
-        prompt: a prompt no store has seen.
-        after_prompt: another fresh prompt, sent after pass 2.
-        policy: the server's ``kv_load_failure_policy`` (for the result).
-        async_scheduling: the server's async scheduling (for the result).
-        max_tokens: tokens per output.
-        top_k: logprobs per position.
-
-    Returns:
-        the :class:`LoadFailureRun` (nothing raised for request errors).
-
+    ``prompt`` and ``after_prompt`` must be fresh; ``policy`` and ``async_scheduling``
+    are only recorded. Request errors are recorded, not raised.
     """
     client = server.client()
     p1 = client.stream(list(prompt), max_tokens, top_k)
@@ -806,16 +665,15 @@ def check_load_failure(run: LoadFailureRun, baseline: Completion | None,
                        atol: float = DEFAULT_LOGPROB_ATOL) -> None:
     """A failed KV load is handled as the policy says, and the server lives on.
 
-    ``recompute``: pass 2 completes and equals the baseline (and pass 1); vLLM logged
-    ``Recovered from KV load failure`` (the fault fired). ``fail``: pass 2 ends with
-    a clean per-request error (an error event or HTTP 5xx with a body, or finish
-    reason ``error``; not a dropped connection, not tokens); vLLM logged ``Failing N
-    request(s) due to KV load failure``. Both: ``/health`` answers and the next
-    request completes with the baseline's output.
+    ``recompute``: pass 2 equals the baseline and vLLM logged ``Recovered from KV load
+    failure``. ``fail``: pass 2 ends with a clean per-request error (error event, HTTP
+    5xx with a body, or finish reason ``error``) and vLLM logged ``Failing N request(s)
+    due to KV load failure``. Both: ``/health`` answers and the next request matches the
+    baseline.
 
     Raises:
-        AssertionError: the first of these that does not hold; the message names
-            the policy and the async-scheduling setting.
+        AssertionError: the first that does not hold (names the policy and async
+            setting).
 
     """
     tag = (f"kv_load_failure_policy={run.policy}, async scheduling "
@@ -884,18 +742,10 @@ def check_load_failure(run: LoadFailureRun, baseline: Completion | None,
 class EngineVariant:
     """An e2e variant: other serve args and/or another model, same checks.
 
-    Attributes:
-        name: the test id.
-        serve_args: appended to the profile's ``vllm.serve_args`` (later wins).
-        model: ``"profile"`` (the run's model) or a key of
-            :data:`tvc.env.model.TINY_RECIPES` (a built-in tiny model).
-        prompt: ``"random"`` or ``"repetitive"`` (a repeated pattern, so n-gram
-            speculation finds matches).
-        min_prompt_tokens: the prompt is at least this long.
-        scenario_metric: a counter that must rise in pass 2 to prove the variant's
-            feature ran ("" = none; the other conditions are checked by the test).
-        doc: one sentence for the report.
-
+    ``serve_args`` are appended to ``vllm.serve_args`` (later wins); ``model`` is
+    ``"profile"`` or a key of :data:`tvc.env.model.TINY_RECIPES`; ``prompt`` is
+    ``"random"`` or ``"repetitive"`` (for n-gram speculation); ``scenario_metric`` must
+    rise in pass 2 to prove the feature ran ("" = none); ``doc`` is one report sentence.
     """
 
     name: str
@@ -940,10 +790,7 @@ def record_seed(record_property: Callable[[str, Any], None],
                 prompt_seed: tuple[int, str]) -> None:
     """Record the prompt seed (``prompt_seed``) and its source (``..._source``).
 
-    Args:
-        record_property: the test's ``record_property`` fixture.
-        prompt_seed: ``(seed, source)`` from the ``tvc_prompt_seed`` fixture.
-
+    ``prompt_seed`` is ``(seed, source)`` from the ``tvc_prompt_seed`` fixture.
     """
     seed, source = prompt_seed
     record_property("prompt_seed", seed)
@@ -961,12 +808,7 @@ def baseline_of(baseline: Baseline | None, name: str) -> Completion | None:
 
 
 def check_block_size(book: PromptBook, block_size: int) -> None:
-    """The connector server runs at the block size the prompts were made for.
-
-    Raises:
-        AssertionError: the sizes differ.
-
-    """
+    """The connector server runs at the prompts' block size; AssertionError if not."""
     assert block_size == book.block_size, (
         f"the connector server's KV block size is {block_size}, the baseline "
         f"server's {book.block_size}: with the same serve args they must agree — "
@@ -978,11 +820,7 @@ def check_two_pass(r: tp.TwoPassResult, log_path: Any,
                    profile: Any) -> int:
     """Every acceptance invariant of a two-pass result against the run's profile.
 
-    ``profile`` is the run's profile (``tvc_profile``): its hit rule, hit log
-    pattern and ``[e2e] logprob_atol``.
-
-    Returns:
-        the hit-rule tokens expected for the prompt.
+    Returns the hit-rule tokens expected for the prompt.
 
     Raises:
         AssertionError: see :func:`tvc.e2e.two_pass.check_acceptance`.

@@ -1,15 +1,11 @@
 """The operators' acceptance test as reusable steps: two passes of one prompt.
 
-Story: pass 1 computes the prompt (and the connector stores its KV); ``POST
-/reset_prefix_cache`` empties vLLM's own GPU prefix cache, so that a hit in pass 2 can
-only come from the connector; pass 2 sends the same prompt. Each pass is one streamed,
-greedy request (TTFT measured on the way) with top-k logprobs; ``/metrics`` is read
-before and after each pass and the counters' increases are kept.
-
-One helper per invariant (``check_*``); each raises ``AssertionError`` with what was
-expected, what was seen and what to do. The e2e tier calls them in order; the negative
-control (a connector that corrupts the KV it loads) must trip
-:func:`check_same_output_tokens` or :func:`check_logprobs_agree`.
+Pass 1 computes the prompt (the connector stores its KV); ``POST /reset_prefix_cache``
+empties vLLM's GPU prefix cache so a pass-2 hit can only come from the connector; pass 2
+sends the same prompt. Entry points: :func:`run_two_passes`, :func:`check_acceptance`
+and one ``check_*`` per invariant (each raises ``AssertionError``). The negative control
+(a KV-corrupting connector) must trip :func:`check_same_output_tokens` or
+:func:`check_logprobs_agree`. See docs/tiers.md, "e2e (GPU)".
 """
 
 from __future__ import annotations
@@ -46,19 +42,14 @@ TOP_K = 5  # top-k logprobs compared per generated position
 # stay within ~1e-2 nats, a corrupted KV moves them by O(1) nats.
 LOGPROB_ATOL = 0.1  # nats, absolute, per token present in both passes' top-k
 # Two candidates whose pass-1 logprobs are this close are a tie for greedy decoding:
-# float16 logits can make them equal to the last bit (0.0000 nats was seen on the
-# GPU host with the tiny model), so either may win when pass 2 rounds differently.
-# After such a tie-break the two outputs condition on different histories, so tokens
-# and logprobs are compared up to and including the tie, not past it.
+# float16 logits can make them equal to the last bit (0.0000 nats seen on the GPU host
+# with the tiny model); tokens and logprobs are compared up to the tie, not past it.
 TIE_NATS = 0.01
 PROMPT_BLOCKS_MIN = 4  # the acceptance prompt spans at least 4 KV blocks
 HIT_LOG_WAIT_S = 5.0  # the engine process may write its hit line a moment later
 LOG_POLL_S = 0.25  # period of re-reading a server log for an awaited line, seconds
-# A server log that has not grown for this long after the requests completed holds
-# their lines: the server writes unbuffered (PYTHONUNBUFFERED, vLLM's handlers flush
-# each record) straight into the log file. Waiting the whole HIT_LOG_WAIT_S for a
-# line that never comes (a prompt that must miss) took 15 s of one test's 16 s on
-# the H200 host (2026-12-05).
+# A log quiet this long after the requests completed holds their lines (the server
+# writes unbuffered: PYTHONUNBUFFERED, vLLM's handlers flush each record).
 LOG_QUIET_S = 1.0
 ACCEPTANCE_PROMPT_TOKENS = 600  # the operators' prompt: 600 tokens (37.5 blocks of 16)
 SEED_ENV = "TVC_SEED"
@@ -79,10 +70,8 @@ class PassResult:
 
     Attributes:
         completion: the streamed completion (``ttft_s`` set).
-        deltas: counter name (keys of :data:`COUNTERS`) -> increase during the pass,
-            in tokens.
-        log: server log written during the pass.
-        metrics_after: the snapshot taken after the pass.
+        deltas: counter name (keys of :data:`COUNTERS`) -> increase during the pass, in
+            tokens.
 
     """
 
@@ -97,14 +86,10 @@ class TwoPassResult:
     """Both passes of one prompt.
 
     Attributes:
-        prompt: the prompt token ids.
         block_size: the server's KV block size B in tokens.
-        pass1: the computing pass.
         pass2: the pass after the prefix-cache reset (and restart, if asked).
-        restarted: whether the server was restarted between the passes.
-        notes: remarks for the report.
-        hit_log_pattern: the profile's ``connector.hit_log_pattern`` the passes
-            were run with ("" when none), for :func:`served_tokens`.
+        hit_log_pattern: ``connector.hit_log_pattern`` ("" when none), for
+            :func:`served_tokens`.
 
     """
 
@@ -136,26 +121,12 @@ class TwoPassResult:
 
 def run_seed(seed: int | None = None, source: str = "", profile: Any = None
              ) -> tuple[int, str]:
-    """The prompt seed of this run and where it came from.
+    """The prompt seed of this run and where it came from, ``(seed, source)``.
 
-    First match wins: the run seed the user chose (``seed`` with ``source``
-    ``--tvc-seed`` or ``TVC_SEED``, the ``tvc_seed`` fixture), the profile's
-    ``[e2e] seed`` when not 0, the run's own seed (``seed``: random per run, shared
-    with xdist workers), ``TVC_SEED`` read here (outside a suite run: ``seed`` is
-    None), else a random 32-bit seed (drawn once per process). Record it
-    (``record_property("prompt_seed", ...)``): with it the run's prompts can be
-    replayed exactly (``--tvc-seed``). Tests get it from the ``tvc_prompt_seed``
-    fixture.
-
-    Args:
-        seed: the run seed (:attr:`tvc.plugin.session.RunState.seed`); None
-            outside a suite run.
-        source: where ``seed`` came from (``--tvc-seed``, ``TVC_SEED``,
-            ``random``, ``controller``).
-        profile: the run's profile (its ``[e2e] seed``), or None.
-
-    Returns:
-        ``(seed, source)``, e.g. ``(1234, "--tvc-seed")``.
+    First match wins: ``seed`` chosen by the user (``--tvc-seed``/``TVC_SEED``), the
+    profile's ``[e2e] seed`` when not 0, the run's own ``seed``
+    (:attr:`tvc.plugin.session.RunState.seed`), ``TVC_SEED`` read here (outside a suite
+    run), else a random 32-bit seed drawn once per process. Replay with ``--tvc-seed``.
 
     Raises:
         ValueError: ``TVC_SEED`` is not an integer (outside a suite run).
@@ -187,21 +158,14 @@ def run_seed(seed: int | None = None, source: str = "", profile: Any = None
 
 
 def rng_for(test_id: str, seed: int) -> random.Random:
-    """A prompt generator seeded by the run's prompt seed and a test id.
-
-    Args:
-        test_id: the test's node id.
-        seed: the prompt seed (``tvc_prompt_seed[0]``, see :func:`run_seed`).
-
-    """
+    """A prompt generator seeded by the prompt seed (:func:`run_seed`) and a test id."""
     return random.Random(f"{seed}-{test_id}")
 
 
 def make_prompt(rng: random.Random, length: int, lo: int, hi: int) -> list[int]:
     """``length`` token ids drawn uniformly from ``[lo, hi)``.
 
-    Random prompts keep a persistent store from answering pass 1 with a prompt an
-    earlier run stored (which :func:`check_first_pass_computed` would report).
+    Random, so a persistent store cannot answer pass 1 from an earlier run.
     """
     return [rng.randrange(lo, hi) for _ in range(length)]
 
@@ -210,16 +174,8 @@ def run_pass(server: VllmServer, prompt: Sequence[int],
              max_tokens: int = MAX_TOKENS, top_k: int = TOP_K) -> PassResult:
     """Send one streamed greedy request and measure what it did to the counters.
 
-    Args:
-        server: a running server.
-        prompt: token ids.
-        max_tokens: tokens to generate.
-        top_k: logprobs per generated position.
-
-    Returns:
-        the :class:`PassResult`; counters are read once vLLM has counted the request
-        as finished (``vllm:request_success``), so they include all it caused.
-
+    Counters are read once vLLM counts the request finished (``vllm:request_success``).
+    ``top_k`` is logprobs per generated position.
     """
     client = server.client()
     before = client.metrics()
@@ -238,19 +194,8 @@ def run_two_passes(server: VllmServer, prompt: Sequence[int], *,
                    top_k: int = TOP_K, hit_log_pattern: str = "") -> TwoPassResult:
     """Pass 1, reset the GPU prefix cache (optionally restart the server), pass 2.
 
-    Args:
-        server: a running server (restarted in place when ``restart_between``).
-        prompt: token ids.
-        restart_between: stop and start the server between the passes (store
-            persistence); the server stays running afterwards.
-        max_tokens: tokens generated per pass.
-        top_k: logprobs per position.
-        hit_log_pattern: regex; when set, wait up to :data:`HIT_LOG_WAIT_S` for it
-            to appear in the log written since pass 2 began.
-
-    Returns:
-        the :class:`TwoPassResult`.
-
+    ``restart_between`` restarts ``server`` in place (it stays running). With
+    ``hit_log_pattern``, waits up to :data:`HIT_LOG_WAIT_S` for it in the pass-2 log.
     """
     block_size = server.client().block_size()
     p1 = run_pass(server, prompt, max_tokens, top_k)
@@ -272,20 +217,8 @@ def await_log_line(read: Callable[[], str], found: Callable[[str], object],
                    max_s: float, what: str, quiet_s: float = LOG_QUIET_S) -> str:
     """Read a server log again until a line is there or the log has settled.
 
-    For a line about requests that already completed: it is in the log, or it
-    comes within a moment, or it never comes. Returns when ``found`` holds, when
-    the log has not grown for ``quiet_s`` seconds, or after ``max_s`` seconds.
-
-    Args:
-        read: returns the log text of interest (e.g. since pass 2 began).
-        found: whether the awaited line is in a text.
-        max_s: the most to wait, in seconds.
-        what: the awaited line in words (for the poll's name).
-        quiet_s: seconds without growth after which the log is settled.
-
-    Returns:
-        the log text last read.
-
+    Returns the text last read when ``found`` holds, after ``quiet_s`` seconds without
+    growth, or after ``max_s`` seconds.
     """
     text, since = read(), time.monotonic()
 
@@ -305,15 +238,9 @@ def await_log_line(read: Callable[[], str], found: Callable[[str], object],
 def logged_hit_tokens(pattern: str, log: str) -> int | None:
     """Tokens a connector's own hit line names, e.g. LMCache's "hit tokens: 768".
 
-    Args:
-        pattern: ``connector.hit_log_pattern``; the count is its group named
-            ``tokens``, else its first group, when that group is a number.
-        log: the server log of one pass.
-
-    Returns:
-        the largest count of the matching lines, or None (no pattern, no match,
-        or no numeric group).
-
+    The count is the pattern's group ``tokens``, else its first numeric group. Returns
+    the largest count of the matching lines, or None (no pattern, match or numeric
+    group).
     """
     if not pattern:
         return None
@@ -338,14 +265,9 @@ def logged_hit_tokens(pattern: str, log: str) -> int | None:
 def served_tokens(r: TwoPassResult) -> tuple[int, str]:
     """Prompt tokens pass 2 was served by the connector, and where that was read.
 
-    First that says so: vLLM's per-source counter
-    (``prompt_tokens_by_source{source="external_kv_transfer"}``), its external
-    hit counter (``external_prefix_cache_hits``), the connector's own hit line
-    (:func:`logged_hit_tokens`).
-
-    Returns:
-        ``(tokens, source)``; ``(0, why)`` when none of them shows a hit.
-
+    First that shows it: ``prompt_tokens_by_source{source="external_kv_transfer"}``,
+    ``external_prefix_cache_hits``, the connector's hit line
+    (:func:`logged_hit_tokens`). Returns ``(0, why)`` when none shows a hit.
     """
     by_source = int(r.pass2.deltas.get("external_source_tokens", 0))
     if by_source > 0:
@@ -372,12 +294,7 @@ def served_text(r: TwoPassResult) -> str:
 # ---------------------------------------------------------------------------- checks
 
 def check_first_pass_computed(r: TwoPassResult) -> None:
-    """Pass 1 must be computed, not served from the connector.
-
-    Raises:
-        AssertionError: pass 1 already had external hits.
-
-    """
+    """Pass 1 must be computed, not served; AssertionError if it had external hits."""
     seen = int(r.pass1.deltas["external_hits"])
     assert seen == 0, (
         f"pass 1 of a fresh random {len(r.prompt)}-token prompt: expected 0 external "
@@ -405,12 +322,7 @@ def check_external_hits(r: TwoPassResult, expected: int, what: str = "") -> None
 
 
 def check_no_prefix_cache_hits(r: TwoPassResult) -> None:
-    """Check that the GPU prefix cache served nothing in pass 2 (it was reset).
-
-    Raises:
-        AssertionError: ``vllm:prefix_cache_hits`` rose.
-
-    """
+    """The GPU prefix cache served nothing in pass 2; AssertionError if hits rose."""
     seen = int(r.pass2.deltas["prefix_hits"])
     assert seen == 0, (
         f"GPU prefix-cache hits in pass 2: expected 0 after POST "
@@ -437,12 +349,7 @@ def check_hit_logged(r: TwoPassResult, pattern: str, log_path: object,
                      expected: int = 1) -> None:
     """The server log written during pass 2 matches the profile's hit pattern.
 
-    Args:
-        r: the two-pass result.
-        pattern: the profile's ``connector.hit_log_pattern`` (empty: no check).
-        log_path: the server log, for the message.
-        expected: the hit rule's tokens for this prompt; 0 means no hit is due,
-            so there is nothing to log.
+    No check with an empty ``pattern`` or ``expected`` 0 (no hit due).
 
     Raises:
         AssertionError: no line matches.
@@ -459,15 +366,9 @@ def check_hit_logged(r: TwoPassResult, pattern: str, log_path: object,
 
 # --------------------------------------------------------------- output comparison
 #
-# Vocabulary of vLLM's own ``check_logprobs_close`` (tests/models/utils.py): two
-# outputs ``outputs_0`` / ``outputs_1`` named ``name_0`` / ``name_1``; greedy token ids
-# are walked position by position; at the first position where they differ each
-# predicted token must be in the top-N logprobs of the other, and past it the
-# sequences diverge and are not compared. This suite is stricter in two ways:
-# logprobs are always compared (vLLM's ``always_check_logprobs``) with a numeric
-# tolerance, and a divergence is accepted only at a tie (both tokens within
-# TIE_NATS of the best logprob on either side), since a KV-cache connector must not
-# change what greedy decoding picks.
+# As vLLM's ``check_logprobs_close`` (tests/models/utils.py), but stricter: logprobs
+# always compared (``always_check_logprobs``) with a tolerance, and a divergence is
+# accepted only at a tie (both tokens within TIE_NATS of the best logprob).
 
 
 def _top2_gap(c: Completion, i: int) -> str:
@@ -496,26 +397,13 @@ def output_diff(outputs_0: Completion, outputs_1: Completion, name_0: str,
                 hint: str = "") -> str:
     """Compare two greedy outputs of the same prompt; "" when they agree.
 
-    Token ids must be equal; a first difference is allowed only where it is a
-    tie-break (both tokens within :data:`TIE_NATS` of the best logprob at that
-    position, in either output's top-k), and nothing past it is compared (the
-    outputs then condition on different histories). Up to and including that
-    position: each output's top-1 token is in the other's top-k, and every token in
-    both top-k lists has logprobs within ``atol`` nats.
-
-    Args:
-        outputs_0: the reference output (e.g. the baseline, or pass 1).
-        outputs_1: the output under test.
-        name_0: how messages name ``outputs_0`` (e.g. ``"baseline (no
-            connector)"``).
-        name_1: how messages name ``outputs_1``.
-        atol: absolute logprob tolerance in nats.
-        what: ``"tokens"``, ``"logprobs"`` or ``"both"``.
-        hint: a sentence appended to a failure message (what to check).
+    Token ids must be equal, except a first difference that is a tie-break (within
+    :data:`TIE_NATS`); nothing past it is compared. Up to it, each top-1 is in the
+    other's top-k and shared top-k logprobs agree within ``atol`` nats. ``what`` is
+    ``"tokens"``, ``"logprobs"`` or ``"both"``; ``hint`` is appended to a failure.
 
     Returns:
-        "" when the outputs agree, else one message naming the position, both
-        sides, the values and the tolerance.
+        "" or one message naming the position, both sides, the values and the tolerance.
 
     """
     a, b = outputs_0, outputs_1
@@ -567,12 +455,10 @@ LOAD_HINT = ("the KV the connector loaded is not the KV pass 1 computed; check t
 def comparable_positions(r: TwoPassResult) -> int:
     """How many generated positions of the two passes condition on equal histories.
 
-    All of them when the token ids are identical; up to and including the first
-    difference when that difference is a tie-break (see :data:`TIE_NATS`).
+    All when the token ids match; up to and including a tie-break difference.
 
     Raises:
-        AssertionError: the outputs differ at a position that is not a tie; the
-            message shows the position and pass 1's top-2 gap there.
+        AssertionError: a difference that is not a tie (shows pass 1's top-2 gap there).
 
     """
     a, b = r.pass1.completion, r.pass2.completion
@@ -594,12 +480,7 @@ def check_same_output_tokens(r: TwoPassResult) -> None:
 
 
 def max_logprob_diff(a: Completion, b: Completion) -> float:
-    """Largest |logprob difference| over tokens in both top-k lists, per position.
-
-    Returns:
-        the maximum in nats (0.0 when nothing is comparable).
-
-    """
+    """Largest |logprob difference| (nats) over tokens in both top-k lists, else 0.0."""
     worst = 0.0
     n = min(len(a.top_logprobs), len(b.top_logprobs))
     for i in range(n):
@@ -612,9 +493,8 @@ def max_logprob_diff(a: Completion, b: Completion) -> float:
 def check_logprobs_agree(r: TwoPassResult, atol: float = LOGPROB_ATOL) -> None:
     """Top-k logprobs of both passes agree within ``atol`` nats, position by position.
 
-    Compared: every token id present in both passes' top-k at a position, up to and
-    including the first (tie-break) difference. Also required: each pass's top-1
-    token is in the other's top-k.
+    Up to and including the first (tie-break) difference; each top-1 must be in the
+    other's top-k.
 
     Raises:
         AssertionError: a difference above ``atol``, or disjoint top-k lists.
@@ -637,30 +517,13 @@ def baseline_verdict(baseline: Completion, pass1: Completion | None,
                      name2: str = "connector pass 2") -> str:
     """Compare a connector server's outputs with the baseline server's; name the side.
 
-    The baseline is the same model and serve args without ``--kv-transfer-config``
-    (vLLM alone). Pass 1 computed the prompt on the connector server (the connector
-    only saved); pass 2 was served from the connector. Which of them differs tells
-    who is wrong:
-
-    - only pass 2 differs: the KV the connector loaded is wrong (the connector);
-    - only pass 1 differs: the connector server computes the prompt itself
-      differently (its save path writes into the KV cache, or vLLM with a
-      connector runs differently, e.g. without the hybrid KV cache manager);
-    - both differ but agree with each other: vLLM with a connector computes
-      differently from vLLM without one (not a load problem);
-    - both differ from the baseline and from each other: both of the above.
-
-    Args:
-        baseline: the baseline server's output for the prompt.
-        pass1: the connector server's computing pass (None when there is none).
-        pass2: the connector server's output served from the connector.
-        atol: logprob tolerance in nats (``[e2e] logprob_atol``).
-        name1: how messages name ``pass1``.
-        name2: how messages name ``pass2``.
+    Only pass 2 differs: the loaded KV is wrong. Only pass 1: the connector server
+    computes differently (save path writes into the KV cache, or vLLM with a connector
+    runs differently). Both, agreeing: vLLM with a connector differs. Both, disagreeing:
+    both. ``atol`` is ``[e2e] logprob_atol`` (nats); ``pass1`` may be None.
 
     Returns:
-        "" when every given output agrees with the baseline, else one message that
-        starts with the verdict and ends with the first difference.
+        "" when every given output agrees, else the verdict and the first difference.
 
     """
     d2 = output_diff(baseline, pass2, BASELINE_NAME, name2, atol)
@@ -690,12 +553,7 @@ def baseline_verdict(baseline: Completion, pass1: Completion | None,
 
 def check_against_baseline(r: TwoPassResult, baseline: Completion | None,
                            atol: float = LOGPROB_ATOL) -> None:
-    """Both passes of a two-pass result agree with the baseline output.
-
-    Args:
-        r: the two-pass result on the connector server.
-        baseline: the baseline server's output for ``r.prompt`` (None: skip).
-        atol: logprob tolerance in nats.
+    """Both passes agree with the baseline output (None: skip; ``atol`` in nats).
 
     Raises:
         AssertionError: :func:`baseline_verdict`'s message.
@@ -714,10 +572,9 @@ def check_acceptance(r: TwoPassResult, expected: int, hit_log_pattern: str,
                      atol: float = LOGPROB_ATOL) -> None:
     """Every acceptance invariant of one two-pass result, in order.
 
-    Pass 1 computed; external hits == ``expected``; no GPU prefix-cache hit;
-    the by-source counter agrees; the hit is logged (if a pattern is set);
-    identical output tokens; logprobs within ``atol``; both passes agree with the
-    baseline server's output (when given).
+    Pass 1 computed; external hits == ``expected``; no GPU prefix-cache hit; by-source
+    counter agrees; hit logged (if a pattern is set); identical tokens; logprobs within
+    ``atol``; both passes match the baseline (when given).
 
     Raises:
         AssertionError: the first invariant that does not hold.

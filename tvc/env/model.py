@@ -1,18 +1,11 @@
 """The model the server runs: the profile's local model, or a tiny Llama built here.
 
-The tiny model is built without the hub, on CPU, and cached by content hash under the
-profile's scratch directory (``<scratch>/models/tiny-llama-<hash>``): the hash covers
-the builder version, the config, the vocabulary, the seed and the init scale, so the
-same recipe is built once and reused, and a changed recipe builds a new folder.
-
-Its weights are random with init std 0.1: a tiny random Llama with the default 0.02
-repeats one token whatever the context, so it cannot tell a corrupted KV load from a
-good one; with 0.1 greedy output depends on the context (seen on the GPU host). The
-tokenizer is a ``tokenizers`` WordLevel model over a synthetic vocabulary (``<unk>``,
-``<s>``, ``</s>``, then ``w3`` ... ``w<V-1>``), saved as ``tokenizer.json`` +
-``tokenizer_config.json`` so transformers and vLLM load it offline.
-
-Fixture: ``served_model`` (session) -> the model directory for the run's profile.
+The tiny model is built on CPU without the hub and cached by content hash (builder
+version, config, vocabulary, seed, init scale) under ``<scratch>/models/``. Init std is
+0.1: with the default 0.02 a tiny random Llama repeats one token whatever the context,
+hiding a corrupted KV load (seen on the GPU host). Tokenizer: a ``tokenizers`` WordLevel
+model (``<unk>``, ``<s>``, ``</s>``, ``w3`` ...), loadable offline. Fixture:
+``served_model`` (session).
 """
 
 from __future__ import annotations
@@ -148,18 +141,9 @@ def build_tiny_llama(root: Path, config: Mapping[str, Any] = TINY_CONFIG,
                      seed: int = TINY_SEED, init_std: float = TINY_INIT_STD) -> Path:
     """Build (or reuse) a tiny random Llama under ``root``.
 
-    Args:
-        root: cache folder, e.g. ``<profile scratch>/models``.
-        config: the HF ``config.json`` content.
-        seed: torch CPU generator seed for the weights.
-        init_std: standard deviation of every weight matrix.
-
-    Returns:
-        ``root/tiny-llama-<recipe hash>``: config.json, model.safetensors,
-        generation_config.json, tokenizer.json, tokenizer_config.json,
-        special_tokens_map.json. An existing folder is reused as is (it appears
-        atomically, by rename, only once complete).
-
+    ``seed`` seeds the torch CPU generator; ``init_std`` is every matrix's std. Returns
+    ``root/tiny-llama-<recipe hash>``; an existing folder is reused as is (it appears
+    atomically, by rename, only once complete).
     """
     from safetensors.torch import save_file
 
@@ -190,14 +174,8 @@ def build_tiny_llama(root: Path, config: Mapping[str, Any] = TINY_CONFIG,
 def build_tiny_model(root: Path, recipe: str = "llama") -> Path:
     """Build (or reuse) the tiny model of a recipe of :data:`TINY_RECIPES`.
 
-    Args:
-        root: cache folder, e.g. ``<profile scratch>/models``.
-        recipe: ``llama`` (the default tiny Llama), ``sliding-window`` or ``kv8``
-            (8 KV heads).
-
-    Returns:
-        the model folder (see :func:`build_tiny_llama`; the recipe's config is in
-        the content hash, so each recipe has its own folder).
+    ``recipe`` is ``llama``, ``sliding-window`` or ``kv8`` (8 KV heads); each has its
+    own folder (see :func:`build_tiny_llama`).
 
     Raises:
         KeyError: an unknown recipe (the message lists the known ones).
@@ -212,13 +190,8 @@ def build_tiny_model(root: Path, recipe: str = "llama") -> Path:
 def prompt_token_range(model_dir: Path) -> tuple[int, int]:
     """Token ids safe for random prompts: ``[lo, hi)`` without special tokens.
 
-    Reads ``vocab_size`` from config.json and the special ids from tokenizer.json;
-    stays below 30000 and skips the first 1000 ids of large vocabularies (byte and
-    control tokens).
-
-    Returns:
-        (lo, hi), with every special token id below ``lo`` or at/above ``hi``.
-
+    From config.json's ``vocab_size`` and tokenizer.json's special ids; below 30000, and
+    skips the first 1000 ids of large vocabularies (byte and control tokens).
     """
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"])

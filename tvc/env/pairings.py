@@ -42,19 +42,11 @@ def pairing_line(package: Mapping[str, Any], vllm: str, torch: str,
                  installed: Callable[[str], str | None] = installed_version) -> str:
     """One line on this box's pairing of the connector's package with vLLM.
 
-    Args:
-        package: the profile's ``[package]`` section (``name``, ``pairings``).
-        vllm: the installed vLLM version (``""``: none).
-        torch: the installed torch version (local part such as ``+cpu`` ignored).
-        installed: distribution name -> installed version or None.
-
-    Returns:
-        ``""`` when the profile names no package; else one of
-        ``"pairing: lmcache 0.5.6 with vLLM 0.28.0 (torch 2.13.0): known to work
-        (...)"``, ``"... cannot work: ..."``, ``"... not installed ..."`` or
-        ``"... not among the profile's pairings ..."``, naming the versions
-        known to work with this vLLM.
-
+    ``torch``'s local part (``+cpu``) is ignored; ``installed`` maps distribution ->
+    version or None. Returns ``""`` without ``[package]``; else e.g. ``"pairing: lmcache
+    0.5.6 with vLLM 0.28.0 (torch 2.13.0): known to work (...)"``, ``"... cannot work:
+    ..."``, ``"... not installed ..."`` or ``"... not among the profile's pairings
+    ..."``.
     """
     name = str(package.get("name") or "")
     pairings: Sequence[Mapping[str, Any]] = package.get("pairings") or ()

@@ -39,14 +39,9 @@ FIX_LIBRARY_NOT_FOUND = (
 
 
 def explain_import_error(text: str) -> str:
-    """Name the cause and the fix of an import failure from its message.
+    """Name the cause and the fix of an import failure from its exception text.
 
-    Args:
-        text: the exception text (e.g. ``str(ImportError)``).
-
-    Returns:
-        one sentence: ``undefined symbol`` / ``library not found`` / other.
-
+    One sentence: ``undefined symbol`` / ``library not found`` / other.
     """
     if "undefined symbol" in text:
         return f"undefined symbol: {FIX_UNDEFINED_SYMBOL}"
@@ -72,10 +67,7 @@ def vllm_package_dir() -> Path:
 
 
 def import_vllm() -> Any:
-    """Import vLLM (and ``vllm.config``), turning failures into one clear message.
-
-    Returns:
-        the ``vllm`` module.
+    """Import and return vLLM (and ``vllm.config``), failures as one clear message.
 
     Raises:
         pytest.fail.Exception: the import failed; the message names the cause.
@@ -97,13 +89,7 @@ def import_vllm() -> Any:
 
 
 def modified_tracked_files(tree: Path) -> list[str]:
-    """Tracked files with changes in a git work tree (read-only git status).
-
-    Args:
-        tree: the vLLM source tree.
-
-    Returns:
-        ``git status --porcelain`` lines for tracked files (empty when clean).
+    """``git status --porcelain`` lines of changed tracked files (read-only git).
 
     Raises:
         pytest.fail.Exception: ``tree`` is not a git work tree or git is missing.
@@ -146,15 +132,9 @@ def version_satisfies(spec: SpecifierSet, version: str) -> bool:
 def extension_module(rel: Path) -> str | None:
     """The dotted module name of an extension file this interpreter can import.
 
-    Args:
-        rel: the file's path relative to its ``sys.path`` entry
-            (``vllm/_C.abi3.so``).
-
-    Returns:
-        ``vllm._C``; None for a file whose suffix this interpreter does not load
-        (a ``cpython-312`` build under Python 3.11: its stem keeps a dot) or whose
-        parts are not identifiers.
-
+    ``rel`` is relative to its ``sys.path`` entry (``vllm/_C.abi3.so`` -> ``vllm._C``).
+    None for a suffix this interpreter does not load (a ``cpython-312`` build under
+    3.11) or parts that are not identifiers.
     """
     suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
     suffix = next((s for s in suffixes if rel.name.endswith(s)), None)
@@ -167,32 +147,16 @@ def extension_module(rel: Path) -> str | None:
 
 
 def discover_extensions(pkg_dir: Path) -> list[str]:
-    """Compiled extension modules shipped in the vLLM package, importable here.
-
-    Args:
-        pkg_dir: the ``vllm`` package directory.
-
-    Returns:
-        sorted dotted module names, e.g. ``vllm._C_stable_libtorch``
-        (:func:`extension_module` of each ``*.so``).
-
-    """
+    """Sorted compiled extension modules of the vLLM package importable here."""
     names = (extension_module(p.relative_to(pkg_dir.parent))
              for p in pkg_dir.rglob("*.so"))
     return sorted({n for n in names if n})
 
 
 def distributions_of(modules: list[str]) -> dict[str, md.Distribution]:
-    """The installed distributions that hold these modules' top-level packages.
+    """The installed distributions holding these modules' top-level packages.
 
-    Args:
-        modules: dotted module names (``lmcache.integration.vllm``); read from
-            the distributions' metadata, nothing imported.
-
-    Returns:
-        distribution name -> distribution, vLLM's own left out (level1 checks
-        its extensions itself).
-
+    Read from metadata, nothing imported; vLLM's own is left out (level1 checks it).
     """
     by_top = md.packages_distributions()
     out: dict[str, md.Distribution] = {}
@@ -206,13 +170,12 @@ def distributions_of(modules: list[str]) -> dict[str, md.Distribution]:
 def connector_extensions(profile: Any) -> dict[str, str]:
     """The compiled extensions the profile's connector loads, with their origin.
 
-    ``[imports] extensions`` when the profile names them; else every extension
-    module of the distributions holding ``connector.module_path`` and the
-    ``[imports] modules`` (their installed files, ``RECORD``).
+    ``[imports] extensions`` when named; else every extension of the distributions
+    holding ``connector.module_path`` and ``[imports] modules`` (their ``RECORD``).
 
     Returns:
-        extension module -> its distribution (``"lmcache 0.5.6"``), or ``""``
-        for a named extension no installed distribution holds.
+        extension module -> its distribution (``"lmcache 0.5.6"``), or ``""`` for a
+        named extension no installed distribution holds.
 
     """
     named = list(profile["imports"].get("extensions") or [])
@@ -236,11 +199,9 @@ def connector_extensions(profile: Any) -> dict[str, str]:
 def defines_module_init(path: Path) -> bool:
     """Whether a shared object is a Python extension module (it names ``PyInit_``).
 
-    A package may ship plain shared libraries beside its extensions (Mooncake's
-    ``libasio.so``, ``libetcd_wrapper.so``): ``import`` refuses them ("dynamic
-    module does not define module export function"), a false red; they load as
-    the dependencies of the extensions that link them. A file that cannot be
-    read counts as an extension (its import then says what is wrong).
+    Plain libraries beside extensions (Mooncake's ``libasio.so``) fail ``import`` ("does
+    not define module export function"), a false red. Unreadable files count as
+    extensions (their import says what is wrong).
     """
     import mmap
 
@@ -256,9 +217,7 @@ def defines_module_init(path: Path) -> bool:
 def built_for_torch(module: str) -> str:
     """What the extension's distribution says about torch: its ``Requires-Dist``.
 
-    Returns:
-        e.g. ``"lmcache 0.5.3 requires torch==2.11.0"``; "" when unknown.
-
+    E.g. ``"lmcache 0.5.3 requires torch==2.11.0"``; "" when unknown.
     """
     for dist in distributions_of([module]).values():
         for raw in dist.requires or ():
@@ -275,14 +234,9 @@ def built_for_torch(module: str) -> str:
 def explain_extension_error(module: str, error: str) -> str:
     """One paragraph for a connector extension that did not import.
 
-    Names the missing symbol (demangled where ``c++filt`` is installed) and the
-    torch the extension was built for (:func:`built_for_torch`) against the torch
-    installed here.
-
-    Args:
-        module: the extension module.
-        error: ``"ImportError: ..."`` from :func:`import_extensions`.
-
+    Names the missing symbol (demangled with ``c++filt`` when installed) and the torch
+    it was built for (:func:`built_for_torch`) against the installed one. ``error`` is
+    ``"ImportError: ..."`` from :func:`import_extensions`.
     """
     m = re.search(r"undefined symbol: (\S+)", error)
     if m is None:
@@ -310,10 +264,9 @@ _CUDA_LIB = re.compile(r"(lib(?:cuda|cudart|c10_cuda|torch_cuda)\.so[.\d]*): can
 def cuda_library_missing(error: str) -> str:
     """The CUDA library an import error says is missing, or "".
 
-    An extension built for CUDA cannot load with a CPU build of torch (no
-    ``libc10_cuda.so``) or without a driver (no ``libcuda.so.1``): that is a
-    missing GPU, not a broken connector, where its Python path runs on CPU too
-    (LMCache's ``cuda_ops`` beside its CPU extensions).
+    A CUDA extension cannot load with a CPU torch (no ``libc10_cuda.so``) or without a
+    driver (no ``libcuda.so.1``): a missing GPU, not a broken connector (e.g. LMCache's
+    ``cuda_ops`` beside its CPU extensions).
     """
     m = _CUDA_LIB.search(error)
     return m.group(1) if m else ""
@@ -357,7 +310,7 @@ print("@@RESULT@@" + json.dumps(out))
 def import_extensions(names: list[str], timeout_s: float = 300) -> dict[str, str]:
     """Import each extension in one fresh Python; return name -> error ('' = ok).
 
-    A fresh interpreter keeps one broken extension from poisoning the test process.
+    Fresh, so one broken extension cannot poison the test process.
 
     Raises:
         pytest.fail.Exception: the interpreter crashed or produced no result.
@@ -377,15 +330,8 @@ def import_extensions(names: list[str], timeout_s: float = 300) -> dict[str, str
 def resolve_connector(kv_transfer_config: dict[str, Any]) -> type:
     """Resolve the connector class exactly as vLLM does (``KVConnectorFactory``).
 
-    Args:
-        kv_transfer_config: the profile's ``kv_transfer_config`` dict.
-
-    Returns:
-        the connector class.
-
     Raises:
-        pytest.fail.Exception: the config, module path or class name is wrong; the
-            message names which.
+        pytest.fail.Exception: the config, module path or class name is wrong (named).
 
     """
     from vllm.config import KVTransferConfig
@@ -419,16 +365,7 @@ def resolve_connector(kv_transfer_config: dict[str, Any]) -> type:
 
 
 def unimplemented_abstract_methods(cls: type, base: type) -> list[str]:
-    """Abstract methods of ``base`` that ``cls`` leaves unimplemented.
-
-    Args:
-        cls: the connector class.
-        base: ``KVConnectorBase_V1`` of the installed vLLM.
-
-    Returns:
-        sorted method names still abstract on ``cls``.
-
-    """
+    """Sorted abstract methods of ``base`` (``KVConnectorBase_V1``) left on ``cls``."""
     names = set(getattr(base, "__abstractmethods__", ())) | set(
         getattr(cls, "__abstractmethods__", ()))
     return sorted(n for n in names

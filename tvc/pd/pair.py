@@ -1,39 +1,25 @@
 r"""Prefill/decode (P/D) disaggregation: two servers, one router, one baseline.
 
-A P/D pair is a ``kv_producer`` server (prefill, GPU 0) and a ``kv_consumer``
-server (decode, GPU 1) with the same connector; a router sends each request's
-prefill (``max_tokens = 1``) to the producer and then the full request to the
-consumer, which must get the prompt's KV from the producer (an external prefix
-cache hit) instead of computing it. The output must equal one engine without a
-connector.
+A ``kv_producer`` (prefill, GPU 0) and a ``kv_consumer`` (decode, GPU 1) with the same
+connector; :class:`PDRouter` sends the prefill (``max_tokens = 1``) to the producer,
+then the full request to the consumer, which must get the KV from the producer. The
+output must equal one engine without a connector. Entry points: :func:`pd_settings`,
+:class:`PDPair`, :func:`route_prompts`. ``[pd] routing``, from vLLM's proxies:
 
-Routing conventions (``[pd] routing``), from vLLM's own proxies:
+- ``request_id``: P2pNcclConnector
+  (``vllm/distributed/kv_transfer/kv_connector/v1/p2p/``, removed by
+  vllm-project/vllm#44854, absent from 0.26.0). Its example proxy
+  (``examples/online_serving/disaggregated_serving_p2p_nccl_xpyd/
+  disagg_proxy_p2p_nccl_xpyd.py``) sends ``X-Request-Id:
+  ___prefill_addr_<ip:kv_port>___decode_addr_<ip:kv_port>_<uuid>``; ``parse_request_id``
+  regexes ``___decode_addr_(.*):(\d+)`` and ``___prefill_addr_(.*):(\d+)___``. The
+  engine binds ``get_ip():kv_port``, so the owner sets ``VLLM_HOST_IP``.
+- ``kv_transfer_params``: NixlConnector style (vLLM's ``toy_proxy_server.py``):
+  ``{"do_remote_decode": true}`` in the prefill, the producer's returned params passed
+  on in the decode request.
+- ``shared_store``: the consumer reads the producer's store; no routing data.
 
-``request_id``
-    P2pNcclConnector (``vllm/distributed/kv_transfer/kv_connector/v1/p2p/``, in
-    vLLM up to its removal by vllm-project/vllm#44854, so absent from 0.26.0):
-    the producer parses the consumer's ZMQ address out of the request id, the
-    consumer the producer's. The example proxy
-    (``examples/online_serving/disaggregated_serving_p2p_nccl_xpyd/
-    disagg_proxy_p2p_nccl_xpyd.py``) sends both requests with header
-    ``X-Request-Id: ___prefill_addr_<ip:kv_port>___decode_addr_<ip:kv_port>_<uuid>``
-    (the connector's ``parse_request_id`` regexes ``___decode_addr_(.*):(\d+)``
-    and ``___prefill_addr_(.*):(\d+)___``). The engine binds ``get_ip():kv_port``;
-    the owner sets ``VLLM_HOST_IP`` so that address is known.
-``kv_transfer_params``
-    NixlConnector style (vLLM's ``toy_proxy_server.py``): the prefill request
-    carries ``kv_transfer_params = {"do_remote_decode": true}``, the producer's
-    response returns ``kv_transfer_params`` and the router passes them on in the
-    decode request.
-``shared_store``
-    a connector whose producer saves to a store the consumer reads (e.g.
-    ExampleConnector on a shared ``shared_storage_path``): no routing data.
-
-Profile keys (section ``[pd]``, read with defaults): ``enabled`` (bool),
-``routing``, ``producer_gpu`` (0), ``consumer_gpu`` (1), ``producer`` / ``consumer``
-(KVTransferConfig fields for one role, e.g. ``kv_buffer_size``; a table
-``kv_connector_extra_config`` inside is merged key by key), ``prefill_max_tokens``
-(1, as vLLM's proxies send).
+Keys of ``[pd]``: docs/tiers.md, "pd (two GPUs)".
 """
 
 from __future__ import annotations
@@ -98,8 +84,8 @@ def pd_settings(profile: Profile) -> PDSettings:
     """Read ``[pd]`` (missing keys take the defaults of :class:`PDSettings`).
 
     Raises:
-        PDConfigError: an unknown key, a wrong type, an unknown routing or equal
-            GPUs; the message names ``pd.<key>`` and the profile file.
+        PDConfigError: an unknown key, a wrong type, an unknown routing or equal GPUs;
+            the message names ``pd.<key>`` and the profile file.
 
     """
     raw = dict(profile.data.get("pd", {}) or {})
@@ -144,18 +130,12 @@ def build_role_configs(base: Mapping[str, Any], settings: PDSettings, *,
                        host: str = HOST) -> dict[str, dict[str, Any]]:
     """The producer's and the consumer's ``--kv-transfer-config``.
 
-    Args:
-        base: the profile's ``kv_transfer_config()`` (store paths isolated).
-        settings: :func:`pd_settings`.
-        producer_kv_port: ``kv_port`` of the producer (its transfer listener).
-        consumer_kv_port: ``kv_port`` of the consumer.
-        host: ``kv_ip`` of both.
+    ``base`` is the profile's ``kv_transfer_config()``; ``host`` is ``kv_ip`` of both.
 
     Returns:
-        ``{"producer": {...}, "consumer": {...}}``: ``kv_role`` ``kv_producer`` /
-        ``kv_consumer``, ``kv_rank`` 0 / 1, ``kv_parallel_size`` 2, ``kv_ip``,
-        ``kv_port``, then the role's ``[pd] producer`` / ``consumer`` table
-        (which may override any of them).
+        ``{"producer": {...}, "consumer": {...}}``: ``kv_role``, ``kv_rank`` 0 / 1,
+        ``kv_parallel_size`` 2, ``kv_ip``, ``kv_port``, then the role's ``[pd]
+        producer`` / ``consumer`` table (which may override any of them).
 
     Raises:
         PDConfigError: the two ports are equal.
@@ -189,14 +169,12 @@ def check_pd_compatible(configs: Mapping[str, Mapping[str, Any]],
                         args: Mapping[str, Sequence[str]]) -> None:
     """Static start-up check: the two sides can exchange KV.
 
-    Args:
-        configs: :func:`build_role_configs`.
-        args: ``{"producer": serve args, "consumer": serve args}``.
+    ``args`` is ``{"producer": serve args, "consumer": serve args}``.
 
     Raises:
-        PDConfigError: ``check_pd_compatible``: kv_role not producer/consumer, a
-            different connector, or a differing :data:`MUST_MATCH_ARGS` value
-            (e.g. ``--block-size`` 16 vs 32), named with both values.
+        PDConfigError: kv_role not producer/consumer, a different connector, or a
+            differing :data:`MUST_MATCH_ARGS` value (e.g. ``--block-size`` 16 vs 32),
+            named with both values.
 
     """
     p, c = configs["producer"], configs["consumer"]
@@ -220,16 +198,12 @@ def check_pd_compatible(configs: Mapping[str, Mapping[str, Any]],
 
 
 def check_block_sizes_match(producer: VllmClient, consumer: VllmClient) -> int:
-    """Runtime check: both servers report the same KV block size.
+    """Runtime check: both servers report the same KV block size; returns B in tokens.
 
-    Reads ``vllm:cache_config_info``'s ``block_size`` label of each server.
-
-    Returns:
-        the common block size B in tokens.
+    Reads the ``block_size`` label of ``vllm:cache_config_info``.
 
     Raises:
-        PDConfigError: ``check_block_sizes_match``: they differ (a KV transfer
-            between them would put tokens into the wrong slots).
+        PDConfigError: they differ (a transfer would put tokens into the wrong slots).
 
     """
     bp, bc = producer.block_size(), consumer.block_size()
@@ -246,14 +220,8 @@ def pd_request_id(producer_zmq: str, consumer_zmq: str, uid: str | None = None
                   ) -> str:
     """The request id P2pNcclConnector routes by (see the module docstring).
 
-    Args:
-        producer_zmq: ``ip:kv_port`` of the producer.
-        consumer_zmq: ``ip:kv_port`` of the consumer.
-        uid: unique suffix; default a random hex UUID (no ``:`` in it).
-
-    Returns:
-        ``___prefill_addr_<producer>___decode_addr_<consumer>_<uid>``.
-
+    Returns ``___prefill_addr_<producer>___decode_addr_<consumer>_<uid>``; addresses are
+    ``ip:kv_port``, ``uid`` defaults to a random hex UUID (no ``:``).
     """
     return (f"___prefill_addr_{producer_zmq}___decode_addr_{consumer_zmq}_"
             f"{uid or uuid.uuid4().hex}")
@@ -262,10 +230,8 @@ def pd_request_id(producer_zmq: str, consumer_zmq: str, uid: str | None = None
 def parse_pd_request_id(request_id: str, is_prefill: bool) -> tuple[str, int]:
     """The peer address in ``request_id``, as P2pNcclConnector.parse_request_id does.
 
-    Args:
-        request_id: the engine's request id (vLLM may prefix ``cmpl-`` and
-            suffix ``-<n>``).
-        is_prefill: True on the producer (returns the consumer's address).
+    vLLM may prefix ``cmpl-`` and suffix ``-<n>``; ``is_prefill`` True (producer side)
+    returns the consumer's address.
 
     Raises:
         PDConfigError: the id carries no such address.
@@ -287,12 +253,10 @@ class PDResult:
 
     Attributes:
         request_id: the id sent to both servers (``X-Request-Id``).
-        prefill: the producer's answer (``prefill_max_tokens`` tokens).
-        completion: the consumer's streamed answer (the request's output).
         ttft_s: seconds from sending the prefill to the consumer's first token.
         prefill_s: seconds the producer took.
-        kv_transfer_params: what the producer returned (``kv_transfer_params``
-            routing), else None.
+        kv_transfer_params: what the producer returned (``kv_transfer_params`` routing),
+            else None.
 
     """
 
@@ -307,15 +271,8 @@ class PDResult:
 class PDRouter:
     """A tiny in-process P/D router: prefill on the producer, decode on the consumer.
 
-    Args:
-        producer_url: ``http://host:port`` of the producer.
-        consumer_url: of the consumer.
-        routing: one of :data:`ROUTINGS`.
-        producer_zmq: ``ip:kv_port`` of the producer (``request_id`` routing).
-        consumer_zmq: of the consumer.
-        prefill_max_tokens: tokens asked of the producer.
-        timeout_s: per-request timeout.
-
+    ``routing`` is one of :data:`ROUTINGS`; the ``*_zmq`` addresses (``ip:kv_port``)
+    serve ``request_id`` routing; ``timeout_s`` is per request, in seconds.
     """
 
     def __init__(self, producer_url: str, consumer_url: str, routing: str, *,
@@ -342,12 +299,9 @@ class PDRouter:
                  logprobs: int = 5) -> PDResult:
         """Route one greedy request (see the class doc).
 
-        Returns:
-            the :class:`PDResult`.
-
         Raises:
-            requests.HTTPError: a server answered with an error status (the
-                message says which side).
+            requests.HTTPError: a server answered with an error status (says which
+                side).
             ServerError: the consumer's stream carried no token.
 
         """
@@ -414,30 +368,12 @@ class PDRouter:
 class PDPair:
     """Owns the producer and the consumer server of one P/D pair.
 
-    One server per GPU: the producer runs with ``CUDA_VISIBLE_DEVICES`` =
-    ``producer_gpu``, the consumer with ``consumer_gpu``; both with
-    ``VLLM_HOST_IP`` = :data:`HOST` (P2pNcclConnector binds ``get_ip():kv_port``).
-    :meth:`start` runs :func:`check_pd_compatible` before starting anything and
-    :func:`check_block_sizes_match` once both answer.
-
-    Args:
-        model: the model directory.
-        base_config: the profile's ``kv_transfer_config()``.
-        settings: :func:`pd_settings`.
-        serve_args: the profile's ``[vllm] serve_args`` (both servers).
-        log_dir: folder for ``pd-producer-*.log`` / ``pd-consumer-*.log``.
-        producer_args: extra serve args of the producer only (tests).
-        consumer_args: of the consumer only.
-        launcher: the server command (tests use a fake server).
-        env: extra environment for both.
-        startup_timeout_s: per server.
-
-    Attributes:
-        producer: the producer's :class:`VllmServer`.
-        consumer: the consumer's.
-        configs: the two ``--kv-transfer-config`` dicts.
-        block_size: the common block size once started (0 before).
-
+    The producer runs with ``CUDA_VISIBLE_DEVICES`` = ``producer_gpu``, the consumer
+    with ``consumer_gpu``, both with ``VLLM_HOST_IP`` = :data:`HOST` (P2pNcclConnector
+    binds ``get_ip():kv_port``). :meth:`start` runs :func:`check_pd_compatible` first
+    and :func:`check_block_sizes_match` once both answer. Logs go to ``log_dir`` as
+    ``pd-producer-*.log`` / ``pd-consumer-*.log``; ``startup_timeout_s`` is per server.
+    ``block_size`` is 0 until started.
     """
 
     def __init__(self, model: str | Path, base_config: Mapping[str, Any],
@@ -540,9 +476,9 @@ def check_same_as_baseline(baseline: Completion, got: Completion, what: str,
                            atol: float) -> None:
     """``got`` equals the single-engine ``baseline``: greedy tokens, then logprobs.
 
-    Tokens must be identical up to the first position where the baseline's top
-    two candidates tie (within :data:`tvc.e2e.two_pass.TIE_NATS`); up to there, every
-    token in both top-k lists has a logprob within ``atol`` nats.
+    Tokens identical up to the first baseline tie (within
+    :data:`tvc.e2e.two_pass.TIE_NATS`); up to there shared top-k logprobs within
+    ``atol`` nats.
 
     Raises:
         AssertionError: names ``what``, the position and both values.
@@ -580,9 +516,9 @@ def check_same_as_baseline(baseline: Completion, got: Completion, what: str,
 def connector_missing_reason(profile: Profile) -> str:
     """Why the installed vLLM cannot build the profile's connector ('' if it can).
 
-    A connector with ``module_path`` needs that module importable; a built-in one
-    must be registered in ``KVConnectorFactory`` (P2pNcclConnector is not in vLLM
-    0.26.0 or 0.28.0: removed by vllm-project/vllm#44854).
+    ``module_path`` must be importable, else the name registered in
+    ``KVConnectorFactory`` (P2pNcclConnector is not in 0.26.0 or 0.28.0:
+    vllm-project/vllm#44854).
     """
     import importlib.util
 
@@ -610,11 +546,8 @@ class PDRun:
     """Prompts routed through a pair, with the counters they moved.
 
     Attributes:
-        results: one :class:`PDResult` per prompt.
         consumer_hits: rise of the consumer's external prefix cache hits (tokens).
         producer_hits: rise of the producer's (tokens; 0 for fresh prompts).
-        block_size: the pair's block size B.
-        routing: the routing used.
 
     """
 
@@ -629,7 +562,7 @@ def route_prompts(pair: PDPair, prompts: Sequence[Sequence[int]], *,
                   max_tokens: int = 16, logprobs: int = 5) -> PDRun:
     """Route each prompt through ``pair`` and measure both servers' hit counters.
 
-    The consumer's counters are read once vLLM counted every request as finished
+    Counters are read once vLLM counted every request finished
     (``vllm:request_success``).
     """
     router = pair.router()
@@ -647,14 +580,12 @@ def route_prompts(pair: PDPair, prompts: Sequence[Sequence[int]], *,
 def check_kv_came_from_producer(run: PDRun, expected: int) -> None:
     """The producer computed; the consumer got ``expected`` tokens from it.
 
-    Args:
-        run: :func:`route_prompts`.
-        expected: the hit rule's tokens summed over the prompts.
+    ``expected`` is the hit rule's tokens summed over the prompts.
 
     Raises:
-        AssertionError: the producer had external hits (a stale store), the rule
-            expects nothing (the check would prove nothing), or the consumer's
-            external hits differ from ``expected`` (0: the KV never arrived).
+        AssertionError: the producer had external hits (a stale store), the rule expects
+            nothing, or the consumer's external hits differ from ``expected`` (0: the KV
+            never arrived).
 
     """
     n = len(run.results)

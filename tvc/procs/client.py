@@ -1,29 +1,17 @@
 """The one HTTP client for a running vLLM OpenAI-compatible server.
 
-Every tier that talks to ``vllm serve`` goes through here: the e2e tier (greedy
-completions with top-k logprobs and token ids, TTFT), the trace tier (many streamed
-requests timed at once) and the fixtures (``/metrics``, the prefix-cache reset).
+Used by the e2e and trace tiers and the fixtures. :func:`stream_completion` is the one
+SSE parser; it never raises for HTTP, transport or ``{"error": ...}`` events: the
+:class:`Completion`'s ``error`` says what happened. :class:`VllmClient` wraps it for
+callers that want exceptions.
 
-One streaming parser, :func:`stream_completion`: it sends ``POST /v1/completions`` with
-``"stream": true`` and reads the server-sent events (SSE) until ``data: [DONE]``. It
-never raises for an HTTP status, a transport error or an ``{"error": ...}`` event in
-the stream; it returns a :class:`Completion` whose ``error`` says what happened, so a
-caller that expects failures (a KV load failure under ``kv_load_failure_policy =
-"fail"``, a trace request that times out) reads them as data. :class:`VllmClient`
-wraps it for callers that want an exception instead.
-
-What vLLM sends (``vllm/entrypoints/openai/completion/serving.py``, same in 0.26.0
-and 0.28.0): one ``data:`` event per step carrying ``choices[0]`` (``text``,
-``token_ids`` when ``return_token_ids``, ``logprobs``, ``finish_reason`` on the last),
-then a ``choices: []`` event with ``usage`` (``stream_options.include_usage``), then
-``data: [DONE]``. A request that ends with finish reason ``error`` (e.g. a KV load
-failure under the ``fail`` policy) raises ``GenerationError`` in the server: streamed,
-it becomes one ``data: {"error": {"message": "Internal server error", "type":
-"InternalServerError", "code": 500}}`` event followed by ``[DONE]``; not streamed, an
-HTTP 500 with that body.
-
-Metric names (identical in vLLM 0.26.0 and 0.28.0, ``vllm/v1/metrics/loggers.py``) are
-the ``*_METRIC`` constants below; counters appear in the text format with ``_total``.
+vLLM's stream (``vllm/entrypoints/openai/completion/serving.py``, 0.26.0 and 0.28.0):
+``data:`` events with ``choices[0]``, a ``choices: []`` event with ``usage``, then
+``data: [DONE]``. Finish reason ``error`` (a KV load failure under the ``fail`` policy)
+raises ``GenerationError`` in the server: streamed, one ``data: {"error": {"message":
+"Internal server error", "type": "InternalServerError", "code": 500}}`` event and
+``[DONE]``; not streamed, an HTTP 500 with that body. Metric names: the ``*_METRIC``
+constants (``vllm/v1/metrics/loggers.py``, 0.26.0 and 0.28.0; counters get ``_total``).
 """
 
 from __future__ import annotations
@@ -84,13 +72,7 @@ class MetricsSnapshot:
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples called ``name`` whose labels include ``labels``.
 
-        Args:
-            name: sample name as exposed, e.g. ``EXTERNAL_HITS_METRIC``.
-            **labels: label filters, e.g. ``source="external_kv_transfer"``.
-
-        Returns:
-            the sum (0.0 when no sample matches; use :meth:`has` to tell apart).
-
+        0.0 when no sample matches (use :meth:`has` to tell apart).
         """
         return sum(v for n, lab, v in self.samples
                    if n == name and all(lab.get(k) == w for k, w in labels.items()))
@@ -106,13 +88,7 @@ class MetricsSnapshot:
 
 
 def parse_metrics(text: str) -> MetricsSnapshot:
-    """Parse Prometheus text exposition with ``prometheus_client.parser``.
-
-    Args:
-        text: the body of ``GET /metrics``.
-
-    Returns:
-        a :class:`MetricsSnapshot` of every sample.
+    """Parse ``GET /metrics`` text with ``prometheus_client.parser``.
 
     Raises:
         ValueError: the text is not valid exposition format.
@@ -131,23 +107,15 @@ class Completion:
     """One completion's output (choice 0), streamed or not.
 
     Attributes:
-        token_ids: generated token ids, in order.
-        text: generated text.
-        token_logprobs: logprob (natural log) of each generated token.
-        top_logprobs: per position, token id -> logprob of the top-k candidates
-            (plus the sampled token), as vLLM returns them.
-        prompt_token_ids: the prompt as the server tokenized it (when returned).
-        ttft_s: seconds from sending the request to the first event that carried a
-            generated token (streaming only; None otherwise or without a token).
-        latency_s: seconds from sending the request to the end of the response.
-        usage: the response's ``usage`` object (prompt_tokens, completion_tokens...).
-        finish_reason: the last ``finish_reason`` seen (``length``, ``stop``,
-            ``error``...), or None.
-        error: "" when the request completed; else one line: ``HTTP 500: ...``,
-            ``stream error: ...``, ``finish_reason error``, a transport error, or a
-            stream that ended without ``[DONE]`` or without a token.
+        token_logprobs / top_logprobs: natural-log logprob of each token; per position
+            token id -> logprob of the top-k (plus the sampled token).
+        ttft_s: seconds from sending to the first event carrying a token (streaming
+            only; else None).
+        latency_s: seconds from sending to the end of the response.
+        error: "" when the request completed; else one line: ``HTTP 500: ...``, ``stream
+            error: ...``, ``finish_reason error``, a transport error, or a stream that
+            ended without ``[DONE]`` or without a token.
         status_code: the HTTP status (0 when no response arrived).
-        events: the stream's data events that carried a choice with a token.
 
     """
 
@@ -234,17 +202,9 @@ def completion_body(model: str, prompt: Sequence[int] | str, max_tokens: int,
                     logprobs: int | None = 5, **extra: Any) -> dict[str, Any]:
     """The ``/v1/completions`` body every tier sends: greedy, exactly N tokens.
 
-    Args:
-        model: the served model name.
-        prompt: token ids (sent as-is, no special tokens added) or text.
-        max_tokens: tokens to generate (``ignore_eos``: always this many).
-        logprobs: k of the top-k logprobs per generated token; None asks for none.
-        **extra: more request fields (override the defaults).
-
-    Returns:
-        the JSON body (``temperature`` 0, ``return_token_ids``, logprob keys as
-        ``token_id:N`` when logprobs are asked).
-
+    ``prompt`` token ids are sent as-is (no special tokens added); ``ignore_eos`` is
+    set; ``logprobs`` is k of the top-k (None: none; keys then ``token_id:N``);
+    ``extra`` fields override the defaults.
     """
     body: dict[str, Any] = {
         "model": model,
@@ -265,20 +225,14 @@ def stream_completion(session: requests.Session, base_url: str,
                       body: Mapping[str, Any], timeout_s: float = 300.0) -> Completion:
     """Send one streamed completion and read it to the end; never raises for errors.
 
-    TTFT is measured on this side of the socket: from just before the request is
-    sent to the arrival of the first event that carries a generated token.
-
-    Args:
-        session: the HTTP session (one per thread).
-        base_url: server root, e.g. ``http://127.0.0.1:8000``.
-        body: the request (see :func:`completion_body`); ``stream`` and
-            ``stream_options.include_usage`` are set here.
-        timeout_s: connect/read timeout in seconds.
+    TTFT is measured client-side, from just before sending to the first event carrying a
+    generated token. ``stream`` and ``stream_options.include_usage`` are set here;
+    ``timeout_s`` is the connect/read timeout in seconds.
 
     Returns:
-        the :class:`Completion`; ``error`` is "" only when the server answered 200,
-        the stream carried at least one token, no error event and ended with
-        ``data: [DONE]``, and no choice finished with reason ``error``.
+        the :class:`Completion`; ``error`` is "" only for a 200 whose stream carried a
+        token, no error event, no ``error`` finish reason, and ended with ``data:
+        [DONE]``.
 
     """
     body = {**body, "stream": True}
@@ -335,11 +289,8 @@ def stream_completion(session: requests.Session, base_url: str,
 class VllmClient:
     """HTTP client for one vLLM OpenAI-compatible server.
 
-    Args:
-        base_url: ``http://host:port`` (no trailing slash).
-        model: the served model name; default: the first of ``GET /v1/models``.
-        timeout_s: per-request timeout in seconds.
-
+    ``base_url`` has no trailing slash; ``model`` defaults to the first of ``GET
+    /v1/models``; ``timeout_s`` is per request, in seconds.
     """
 
     def __init__(self, base_url: str, model: str | None = None,
@@ -362,18 +313,11 @@ class VllmClient:
                  logprobs: int = 5, **extra: Any) -> Completion:
         """Greedy completion (temperature 0) with top-k logprobs and token ids.
 
-        Args:
-            prompt: token ids (sent as-is, no special tokens added) or text.
-            max_tokens: tokens to generate (EOS ignored, so exactly this many).
-            logprobs: k of the top-k logprobs per generated token.
-            **extra: more request fields (override the defaults above).
-
-        Returns:
-            the :class:`Completion` (``ttft_s`` is None).
+        Exactly ``max_tokens`` tokens (EOS ignored); ``ttft_s`` is None.
 
         Raises:
-            requests.HTTPError: the server answered with an error status; the
-                message carries the server's error body.
+            requests.HTTPError: an error status; the message carries the server's error
+                body.
 
         """
         t0 = time.perf_counter()
@@ -388,33 +332,18 @@ class VllmClient:
 
     def stream(self, prompt: Sequence[int] | str, max_tokens: int = 16,
                logprobs: int | None = 5, **extra: Any) -> Completion:
-        """Streamed greedy completion; errors are returned in ``Completion.error``.
-
-        Args:
-            prompt: token ids or text.
-            max_tokens: tokens to generate.
-            logprobs: k of the top-k logprobs; None for none.
-            **extra: more request fields.
-
-        Returns:
-            the :class:`Completion` (see :func:`stream_completion`).
-
-        """
+        """Streamed greedy completion; errors are returned in ``Completion.error``."""
         body = completion_body(self.model, prompt, max_tokens, logprobs, **extra)
         return stream_completion(self.session, self.base_url, body, self.timeout_s)
 
     def complete_streaming(self, prompt: Sequence[int] | str, max_tokens: int = 16,
                            logprobs: int = 5, **extra: Any) -> Completion:
-        """Like :meth:`complete`, streamed, measuring time to first token.
-
-        Returns:
-            the :class:`Completion` with ``ttft_s`` set (seconds).
+        """Like :meth:`complete`, streamed, with ``ttft_s`` (seconds) set.
 
         Raises:
             requests.HTTPError: error status (the message has the server's body).
-            ServerError: an error event in the stream, a ``finish_reason`` of
-                ``error``, a transport error, or a stream without a token or
-                without ``[DONE]``.
+            ServerError: an error event, a ``finish_reason`` of ``error``, a transport
+                error, or a stream without a token or without ``[DONE]``.
 
         """
         c = self.stream(prompt, max_tokens, logprobs, **extra)
@@ -446,14 +375,10 @@ class VllmClient:
 
     def wait_for_metric(self, name: str, at_least: float, timeout_s: float = 30.0,
                         **labels: str) -> MetricsSnapshot:
-        """Poll ``/metrics`` until a sample sum reaches ``at_least``.
+        """Poll ``/metrics`` until a sample sum reaches ``at_least``; return it.
 
-        vLLM updates its counters after the response may already have been sent;
-        waiting for ``REQUEST_SUCCESS_METRIC`` to count a request makes the
-        snapshot include everything that request caused.
-
-        Returns:
-            the first snapshot that satisfies the condition.
+        vLLM updates counters after the response may be sent; waiting for
+        ``REQUEST_SUCCESS_METRIC`` makes the snapshot include all a request caused.
 
         Raises:
             ServerError: not reached within ``timeout_s`` seconds.
@@ -479,16 +404,13 @@ class VllmClient:
                            timeout_s: float = 60.0) -> None:
         """``POST /reset_prefix_cache`` until it reports success.
 
-        vLLM refuses the reset (``{"success": false}``) while blocks are held, e.g.
-        by async KV offload transfers still in flight, so this retries.
-
-        Args:
-            reset_external: also ask the connector to drop its cache.
-            timeout_s: seconds to keep retrying.
+        vLLM refuses (``{"success": false}``) while blocks are held, e.g. by async KV
+        offload transfers in flight, so this retries for ``timeout_s`` seconds.
+        ``reset_external`` also asks the connector to drop its cache.
 
         Raises:
-            ServerError: the endpoint is missing (server not in dev mode) or the
-                reset never succeeded.
+            ServerError: the endpoint is missing (server not in dev mode) or the reset
+                never succeeded.
 
         """
         params = {"reset_external": "true"} if reset_external else None

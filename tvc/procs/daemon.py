@@ -1,20 +1,10 @@
 """The storage daemon: one owner that brings the GPU-direct store up and down.
 
-The operators' bring-up, in order: the kernel module must be loaded; the daemon starts
-from its command line (as root, with its environment, working directory and log file);
-the store is up once every device-node glob matches and every mount glob matches a
-non-empty directory. :class:`StorageDaemon` does exactly that from a profile's
-``[daemon]`` section:
-
-- a daemon that is already up (nodes and mounts present) is reused, never restarted
-  and never stopped;
-- a daemon it started is stopped on exit (SIGTERM to its process group, then SIGKILL);
-- each failure is one :class:`DaemonError` saying what was expected, what was seen and
-  what to do: module not loaded, no permission, daemon exited (with its log tail),
-  timeout (with the globs still missing and the log tail).
-
-The pytest fixture ``storage_daemon`` (session scope) wraps it; tests that need the
-store depend on it and never start processes themselves.
+:class:`StorageDaemon` follows the operators' bring-up from ``[daemon]``: kernel module
+loaded, daemon started (argv, env, cwd, log file), ready once every device glob matches
+and every mount glob matches a non-empty directory. A daemon already up is reused and
+never stopped; one it started is stopped on exit (SIGTERM to its group, then SIGKILL).
+Each failure is one :class:`DaemonError`. Fixture: ``storage_daemon`` (session scope).
 """
 
 from __future__ import annotations
@@ -56,19 +46,11 @@ class DaemonError(Exception):
 class DaemonSpec:
     """What to check and start; the fields of a profile's ``[daemon]`` section.
 
-    Attributes:
-        kernel_module: module that must be loaded (``/sys/module/<name>``); "" = none.
-        argv: the daemon's command line as a list (never a shell string); [] = none.
-        env: extra environment variables for the daemon.
-        cwd: working directory ("" = the current one).
-        log_file: file the daemon's stdout and stderr are appended to ("" = output
-            is discarded).
-        device_globs: globs that must each match at least one path once it is up.
-        mount_globs: globs that must each match at least one non-empty directory.
-        start_timeout_s: seconds to wait for the globs after starting.
-        sysfs_root: where ``module/<name>`` is looked up (``/sys``; tests use a temp
-            directory).
-
+    "" or [] means none: ``kernel_module`` (``<sysfs_root>/module/<name>``), ``argv`` (a
+    list, never a shell string), ``log_file`` (output discarded). Each of
+    ``device_globs`` must match a path and each of ``mount_globs`` a non-empty directory
+    within ``start_timeout_s`` seconds. ``sysfs_root`` is ``/sys`` (tests use a temp
+    dir).
     """
 
     kernel_module: str = ""
@@ -84,16 +66,7 @@ class DaemonSpec:
     @classmethod
     def from_section(cls, section: Mapping[str, Any], sysfs_root: str = "/sys"
                      ) -> DaemonSpec:
-        """Build a spec from a profile's ``[daemon]`` section (already interpolated).
-
-        Args:
-            section: ``profile["daemon"]``.
-            sysfs_root: root of sysfs (see the attribute).
-
-        Returns:
-            the :class:`DaemonSpec`.
-
-        """
+        """Build a spec from a profile's ``[daemon]`` section (already interpolated)."""
         return cls(
             kernel_module=section.get("kernel_module", ""),
             argv=tuple(section.get("argv", ())),
@@ -114,15 +87,10 @@ class DaemonSpec:
 
 
 def missing_pieces(spec: DaemonSpec) -> list[str]:
-    """List the readiness globs not satisfied yet, as short phrases (empty = ready).
+    """Readiness globs not satisfied yet, as phrases (empty = ready).
 
-    Args:
-        spec: the daemon spec.
-
-    Returns:
-        e.g. ``["no device node matches /dev/snvme*", "no non-empty mount matches
-        /mnt/nvme*"]``.
-
+    E.g. ``["no device node matches /dev/snvme*", "no non-empty mount matches
+    /mnt/nvme*"]``.
     """
     out = [f"no device node matches {p}" for p in spec.device_globs
            if not glob.glob(p)]
@@ -165,16 +133,7 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 class StorageDaemon:
     """Context manager owning the storage daemon (reuse, start, wait, stop).
 
-    Example::
-
-        with StorageDaemon(DaemonSpec.from_section(profile["daemon"])) as d:
-            ...  # device nodes and mounts are present here
-            d.started  # True only when this object started the daemon
-
-    Args:
-        spec: what to check and start.
-        poll_s: seconds between readiness checks.
-
+    ``poll_s`` is seconds between readiness checks.
     """
 
     def __init__(self, spec: DaemonSpec, poll_s: float = POLL_S) -> None:
@@ -299,8 +258,7 @@ class StorageDaemon:
     def stop(self) -> None:
         """Stop the daemon if, and only if, this object started it.
 
-        Sends SIGTERM to its process group, waits up to ``STOP_GRACE_S`` seconds,
-        then SIGKILL. A reused daemon is left running.
+        SIGTERM to its process group, up to ``STOP_GRACE_S`` seconds, then SIGKILL.
         """
         proc, self.proc = self.proc, None
         if proc is not None:

@@ -1,30 +1,15 @@
 """The connector's own server: one owner that starts, checks and stops it.
 
-Some connectors keep their KV in a server of their own: LMCache's multiprocess
-server for ``LMCacheMPConnector`` (``python -m lmcache.v1.multiprocess.http_server``,
-from the ``lmcache`` wheel), Mooncake's master for vLLM's in-tree
-``MooncakeStoreConnector`` (``mooncake_master``, a binary in the
-``mooncake-transfer-engine*`` wheels). :class:`KvServer` runs the real server from
-the installed package, as :class:`tvc.procs.daemon.StorageDaemon` runs the storage
-daemon:
-
-- free ports picked by the suite (``127.0.0.1`` only), the server's output in a
-  log file of the run folder;
-- started in its own process group and polled until it answers (LMCache: HTTP
-  ``GET /healthcheck`` answers 200 once its engine is up,
-  ``lmcache/v1/multiprocess/http_apis/info_api.py``; Mooncake: its RPC port
-  accepts a connection and its metrics endpoint answers), watching that it is
-  still alive;
-- stopped on exit (SIGTERM to its group, then SIGKILL:
-  :func:`tvc.procs.process.stop_tree`);
-- every problem one :class:`KvServerError` naming the server, not the connector:
-  not installed, exited (with its log tail), no answer in time, dead or
-  unreachable later (:meth:`KvServer.problem`).
-
-How the connector finds it (:attr:`KvServer.extra_config` merged into
-``kv_connector_extra_config``, :attr:`KvServer.client_env` for every process that
-creates the connector) is each kind's, in :data:`KINDS`. Both servers are told
-not to send usage data (``LMCACHE_TRACK_USAGE=false``, ``DO_NOT_TRACK=1``).
+LMCache's multiprocess server for ``LMCacheMPConnector`` (``python -m
+lmcache.v1.multiprocess.http_server``) and Mooncake's master for
+``MooncakeStoreConnector`` (``mooncake_master`` from ``mooncake-transfer-engine*``).
+:class:`KvServer` picks loopback ports, logs to the run folder, starts the server in its
+own process group, polls it (LMCache: ``GET /healthcheck`` 200,
+``lmcache/v1/multiprocess/http_apis/info_api.py``; Mooncake: RPC port and metrics
+endpoint), and stops it (:func:`tvc.procs.process.stop_tree`). Each problem is one
+:class:`KvServerError` naming the server. The connector finds it through
+:attr:`KvServer.extra_config` and :attr:`KvServer.client_env` (per kind, :data:`KINDS`).
+Telemetry is off (``LMCACHE_TRACK_USAGE=false``, ``DO_NOT_TRACK=1``).
 """
 
 from __future__ import annotations
@@ -98,17 +83,11 @@ def http_ok(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 class Kind:
     """How one server is found, started, probed and handed to the connector.
 
-    Attributes:
-        label: the server in messages, e.g. ``LMCache's multiprocess server``.
-        ports: names of the ports to pick (the first is the one the connector uses).
-        locate: returns the executable argv prefix, or raises
-            :class:`KvServerError` (``not_installed``) naming the package.
-        argv: ``(prefix, ports, args) -> argv``.
-        healthy: ``ports -> bool``.
-        health_what: what the probe waits for, in words.
-        connect: ``(ports, folder) -> (extra_config, client_env)`` for the
-            connector; may write a client config file into ``folder``.
-
+    ``ports`` names the ports to pick (the first is the connector's); ``locate`` returns
+    the argv prefix or raises :class:`KvServerError` (``not_installed``); ``argv`` is
+    ``(prefix, ports, args) -> argv``; ``healthy`` is ``ports -> bool``; ``connect`` is
+    ``(ports, folder) -> (extra_config, client_env)`` and may write a config into
+    ``folder``.
     """
 
     label: str
@@ -218,11 +197,8 @@ class KvServerSpec:
 
     Attributes:
         kind: a key of :data:`KINDS`.
-        args: extra command-line arguments.
-        env: extra environment (strings) of the server.
         start_timeout_s: seconds to wait for the first healthy answer.
-        folder: where its log (and a client config file) go: the run folder's
-            ``logs/``.
+        folder: where its log (and a client config file) go: the run folder's ``logs/``.
 
     """
 
@@ -244,15 +220,8 @@ class KvServerSpec:
 class KvServer:
     """Context manager owning one connector server (start, probe, stop).
 
-    Example::
-
-        with KvServer(KvServerSpec("lmcache", run_dir / "logs")) as srv:
-            srv.extra_config  # {"lmcache.mp.host": "tcp://127.0.0.1", ...}
-
     Attributes:
-        kind: the :class:`Kind`.
         ports: port name -> port (picked at :meth:`start`).
-        log_file: the server's stdout and stderr.
         extra_config: keys to merge into ``kv_connector_extra_config``.
         client_env: environment every connector process needs.
 
@@ -291,8 +260,8 @@ class KvServer:
         """Start the server and wait until it answers.
 
         Raises:
-            KvServerError: not installed, exited while starting (with its log
-                tail), or no healthy answer within ``start_timeout_s``.
+            KvServerError: not installed, exited while starting (with its log tail), or
+                no healthy answer within ``start_timeout_s``.
 
         """
         prefix = self.kind.locate()
@@ -307,8 +276,8 @@ class KvServer:
         self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         from tvc.procs.vllm_server import _die_with_parent
 
-        # the server dies with the suite even when the suite is SIGKILLed (its
-        # own clean-up never runs then): Linux's PR_SET_PDEATHSIG, as vllm serve
+        # the server dies with the suite even when the suite is SIGKILLed:
+        # Linux's PR_SET_PDEATHSIG, as vllm serve
         self.proc = subprocess.Popen(  # noqa: S603 - argv list, no shell
             self.argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
@@ -340,10 +309,7 @@ class KvServer:
     def problem(self) -> str:
         """Why the server cannot serve now (``""`` when it is alive and answers).
 
-        Returns:
-            one paragraph naming the server: dead (exit status, log tail) or
-            alive but not answering.
-
+        One paragraph naming the server: dead (exit status, log tail) or not answering.
         """
         if self.proc is None:
             return f"{self.kind.label} is not running (never started or stopped)"
@@ -371,20 +337,10 @@ def _how(rc: int) -> str:
 
 
 def profile_with_server(profile: Any, server: KvServer) -> Any:
-    """The profile as the connector must see it while ``server`` runs.
+    """The profile as the connector must see it while ``server`` runs (a new Profile).
 
-    The server's :attr:`KvServer.extra_config` is merged into
-    ``connector.extra_config`` (the connector finds the server there) and its
-    :attr:`KvServer.client_env` into ``vllm.env`` (every vLLM server of the run
-    gets it; the in-process tiers get it from the fixture).
-
-    Args:
-        profile: a :class:`tvc.config.profile.Profile`.
-        server: the started server.
-
-    Returns:
-        a new :class:`~tvc.config.profile.Profile`; ``profile`` is unchanged.
-
+    :attr:`KvServer.extra_config` is merged into ``connector.extra_config`` and
+    :attr:`KvServer.client_env` into ``vllm.env``; ``profile`` is unchanged.
     """
     import copy
     import dataclasses

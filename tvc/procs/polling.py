@@ -41,26 +41,14 @@ def wait_until(predicate: Callable[[], T | None], timeout_s: float, interval_s: 
                sleep: Callable[[float], object] = time.sleep) -> T:
     """Call ``predicate`` until it returns a truthy value; return that value.
 
-    The predicate runs at once, then every ``interval_s`` seconds (the last sleep is
-    cut to end at the deadline, where it runs once more), so it runs at least once
-    even with ``timeout_s <= 0``. An exception it raises (a process that exited, a
-    cancelled start) ends the wait and propagates unchanged.
-
-    Args:
-        predicate: the condition; its truthy return value is returned.
-        timeout_s: seconds to wait in all (monotonic clock).
-        interval_s: seconds between calls; must be positive.
-        what: the awaited condition in words, for the timeout message
-            (e.g. ``"http://127.0.0.1:8000/health to answer 200"``).
-        clock: the clock, in seconds (tests pass a fake one).
-        sleep: the sleep function, in seconds (tests pass a fake one).
-
-    Returns:
-        the predicate's first truthy value.
+    Runs at once, then every ``interval_s`` seconds (> 0) on the monotonic ``clock``,
+    once more at the deadline, so at least once even with ``timeout_s <= 0``. An
+    exception from it ends the wait unchanged. ``what`` names the condition for the
+    message.
 
     Raises:
-        PollTimeout: a :class:`TimeoutError` naming ``what``, the limit and the
-            time waited; its ``last`` is the predicate's last answer.
+        PollTimeout: a :class:`TimeoutError` naming ``what``, the limit and the time
+            waited; ``last`` is the predicate's last answer.
         ValueError: ``interval_s`` is not positive.
 
     """

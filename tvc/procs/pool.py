@@ -1,36 +1,21 @@
 """A pool of ``vllm serve`` processes sharing the run's GPUs, started concurrently.
 
-A server the run needs is a spec: model, serve args, ``--kv-transfer-config``,
-environment (:meth:`tvc.procs.vllm_server.VllmServer.spec_key`). The pool
+A server is a spec (:meth:`tvc.procs.vllm_server.VllmServer.spec_key`). The pool
+prestarts known specs in the background (:meth:`ServerPool.prestart`, at most
+``max_starting`` at once), shares a server between the tests of one spec
+(:meth:`ServerPool.register` / :meth:`ServerPool.release`), places servers by
+``CUDA_VISIBLE_DEVICES``, keeps KV + weights + :data:`SERVER_OVERHEAD_BYTES` within each
+GPU's free memory and ``cpu_bytes_to_use`` within host RAM (queues what does not fit
+now, refuses what never will), and records events in a
+:class:`tvc.core.timeline.Timeline`.
 
-- starts the specs known at collection **concurrently** in the background
-  (:meth:`ServerPool.prestart`), first-needed first, at most ``max_starting`` at a
-  time (each start is CPU-bound: imports and engine set-up);
-- gives each server a **fixed KV cache** (``--kv-cache-memory-bytes``, from the
-  model's bytes per token, :func:`kv_cache_bytes`) and a ``--gpu-memory-utilization``
-  of its own share, so the engines' memory profiling cannot race (seen on the H200:
-  with ``--gpu-memory-utilization`` alone, one of four concurrent servers got 0.32 GiB
-  of KV cache; with ``--kv-cache-memory-bytes`` 2 GiB each, six were healthy in
-  31-35 s, one alone in 30 s). vLLM 0.26-0.33 accept the flag
-  (``vllm/engine/arg_utils.py``, ``CacheConfig.kv_cache_memory_bytes``) and skip the
-  profiling run with it (``vllm/v1/worker/gpu_worker.py``,
-  ``determine_available_memory``); they still refuse to start when the GPU's free
-  memory is below ``total x gpu_memory_utilization`` (``vllm/v1/worker/utils.py``,
-  ``request_memory``), hence the share;
-- keeps the sum of KV bytes, weights and :data:`SERVER_OVERHEAD_BYTES` per server
-  within each GPU's free memory, and OffloadingConnector's ``cpu_bytes_to_use``
-  within host RAM (psutil), **queues** what does not fit now and **refuses** (one
-  :class:`ServerError` naming the spec) what can never fit;
-- places servers on the selected GPUs (``CUDA_VISIBLE_DEVICES`` per server; a
-  ``--tensor-parallel-size N`` server takes N GPUs; a ``whole_gpu`` server gets a
-  GPU no other server uses while it runs);
-- shares a server between the tests of one spec (:meth:`ServerPool.register`
-  returns the one already there) and stops it after its last planned user
-  (:meth:`ServerPool.release`);
-- records every server's queue, start, ready and stop in a
-  :class:`tvc.core.timeline.Timeline`.
-
-Works without pytest; :mod:`tvc.fixtures.vllm` wires it into a run.
+Each server gets a fixed ``--kv-cache-memory-bytes`` (:func:`kv_cache_bytes`) and its
+share as ``--gpu-memory-utilization``: with the latter alone, concurrent memory
+profiling races (one of four servers got 0.32 GiB of KV cache on the H200). vLLM
+0.26-0.33 skip profiling with the flag (``vllm/v1/worker/gpu_worker.py``
+``determine_available_memory``; ``CacheConfig.kv_cache_memory_bytes``) but still refuse
+to start below ``total x gpu_memory_utilization`` free (``vllm/v1/worker/utils.py``
+``request_memory``). Wired into a run by :mod:`tvc.fixtures.vllm`.
 """
 
 from __future__ import annotations
@@ -54,11 +39,10 @@ from tvc.procs.client import ServerError
 from tvc.procs.polling import PollTimeout, wait_until
 
 GiB = 1 << 30
-# Per-server GPU memory beside weights and KV cache: the CUDA context and cuBLAS
-# workspaces (about 0.5 GiB per process on an H100/H200 in nvidia-smi), the
-# activations of the first forward passes and torch's allocator slack. An upper
-# bound for the suite's tiny models (enforce-eager); larger models add their
-# activation peak through --max-num-batched-tokens, which this does not model.
+# Per-server GPU memory beside weights and KV cache: CUDA context and cuBLAS workspaces
+# (about 0.5 GiB per process on an H100/H200 in nvidia-smi), first forward passes'
+# activations and allocator slack. An upper bound for the tiny models (enforce-eager);
+# larger models' activation peak (--max-num-batched-tokens) is not modelled.
 SERVER_OVERHEAD_BYTES = 2 * GiB
 # The smallest KV cache the pool gives a server: 2 GiB each for six concurrent
 # tiny-model servers on the H200 (all healthy in 31-35 s, identical greedy output).
@@ -113,11 +97,10 @@ def _text_config(model_dir: Path) -> dict[str, Any]:
 def kv_bytes_per_token(model_dir: Path, serve_args: Sequence[str] = ()) -> int:
     """KV cache bytes of one token across all layers (K and V), per GPU at TP = 1.
 
-    ``2 x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes`` from the
-    model's ``config.json`` (``head_dim`` or ``hidden_size / num_attention_heads``;
-    dtype from ``--kv-cache-dtype``, else ``--dtype``, else the config's
-    ``torch_dtype``/``dtype``; 2 bytes when unknown). The tiny Llama: 2 x 4 x 2 x 64
-    x 2 = 2048 bytes.
+    ``2 x num_hidden_layers x num_key_value_heads x head_dim x dtype bytes`` from
+    ``config.json`` (``head_dim`` or ``hidden_size / num_attention_heads``; dtype from
+    ``--kv-cache-dtype``, ``--dtype``, the config's ``torch_dtype``/``dtype``, else 2
+    bytes). The tiny Llama: 2 x 4 x 2 x 64 x 2 = 2048 bytes.
 
     Raises:
         ServerError: the folder has no readable config.json.
@@ -142,9 +125,8 @@ def kv_bytes_per_token(model_dir: Path, serve_args: Sequence[str] = ()) -> int:
 def weight_bytes(model_dir: Path, serve_args: Sequence[str] = ()) -> int:
     """Bytes of the model's weights: the weight files' sizes, or an estimate.
 
-    With ``--load-format dummy`` or no ``*.safetensors``/``*.bin``/``*.pt`` file in
-    the folder, the parameter count is estimated from config.json (embeddings,
-    attention and MLP of every layer) at 2 bytes each.
+    Estimated from config.json at 2 bytes per parameter with ``--load-format dummy`` or
+    no ``*.safetensors``/``*.bin``/``*.pt`` file.
     """
     p = Path(model_dir)
     files = [f for pat in ("*.safetensors", "*.bin", "*.pt") for f in p.glob(pat)]
@@ -167,12 +149,11 @@ def weight_bytes(model_dir: Path, serve_args: Sequence[str] = ()) -> int:
 
 
 def kv_cache_bytes(model_dir: Path, serve_args: Sequence[str]) -> int:
-    """The KV cache size the pool gives a server (``--kv-cache-memory-bytes``).
+    """The KV cache size in bytes the pool gives a server (``--kv-cache-memory-bytes``).
 
-    The serve args' own ``--kv-cache-memory-bytes`` when set (the profile's choice);
-    else ``kv_bytes_per_token x max-model-len x`` :data:`KV_CACHE_SEQUENCES`, at
-    least :data:`MIN_KV_CACHE_BYTES`, and at least what ``--num-gpu-blocks-override``
-    blocks need (``--block-size``, default 16).
+    The serve args' own value when set; else ``kv_bytes_per_token x max-model-len x``
+    :data:`KV_CACHE_SEQUENCES`, at least :data:`MIN_KV_CACHE_BYTES` and what
+    ``--num-gpu-blocks-override`` blocks need (``--block-size``, default 16).
 
     Raises:
         ServerError: a size that does not parse, or an unreadable config.json.
@@ -204,10 +185,9 @@ def tensor_parallel_size(serve_args: Sequence[str]) -> int:
 
 
 def cpu_buffer_bytes(kv_transfer_config: Mapping[str, Any] | None) -> int:
-    """OffloadingConnector's ``cpu_bytes_to_use`` (host RAM it pins), or 0.
+    """OffloadingConnector's ``cpu_bytes_to_use`` (pinned host RAM, bytes), or 0.
 
-    Searched through nested tables too (a wrapped connector's ``inner`` config,
-    :func:`tvc.contract.faults.wrap_kv_transfer_config`); the largest value counts.
+    Nested tables count too (a wrapped connector's ``inner``); the largest value wins.
     """
     found: list[int] = []
 
@@ -229,16 +209,11 @@ def cpu_buffer_bytes(kv_transfer_config: Mapping[str, Any] | None) -> int:
 
 @dataclass(frozen=True)
 class Need:
-    """What one server takes while it runs.
+    """What one server takes while it runs (bytes, per GPU; weights split over TP).
 
-    Attributes:
-        gpus: GPUs it spans (its tensor-parallel size).
-        kv_bytes: KV cache per GPU (bytes, ``--kv-cache-memory-bytes``).
-        weight_bytes: weights per GPU (bytes; split over the TP ranks).
-        overhead_bytes: :data:`SERVER_OVERHEAD_BYTES` unless told otherwise.
-        cpu_bytes: host RAM for CPU KV buffers (bytes).
-        whole_gpu: it must run alone on its GPU(s).
-
+    ``gpus`` is its tensor-parallel size, ``kv_bytes`` its ``--kv-cache-memory-bytes``,
+    ``overhead_bytes`` :data:`SERVER_OVERHEAD_BYTES` by default, ``cpu_bytes`` host RAM
+    for CPU KV buffers; ``whole_gpu`` servers run alone.
     """
 
     gpus: int = 1
@@ -271,16 +246,10 @@ def need_of(srv: Any) -> Need:
 
 @dataclass
 class Gpu:
-    """One GPU the pool may use.
+    """One GPU the pool may use (sizes in bytes).
 
-    Attributes:
-        index: the CUDA device index (``CUDA_VISIBLE_DEVICES`` value, PCI bus order).
-        capacity_bytes: memory the pool may hand out on it.
-        total_bytes: the device's memory (for ``--gpu-memory-utilization``).
-        used_bytes: handed out now.
-        holders: names of the servers on it now.
-        whole: a ``whole_gpu`` server holds it.
-
+    ``index`` is the CUDA index (PCI bus order); ``capacity_bytes`` what the pool may
+    hand out; ``total_bytes`` the device's memory (for ``--gpu-memory-utilization``).
     """
 
     index: int
@@ -294,16 +263,10 @@ class Gpu:
 def query_gpus(selected: Sequence[int] | None = None) -> list[Gpu]:
     """The GPUs with their free memory, from ``nvidia-smi`` (PCI bus order).
 
-    Args:
-        selected: CUDA indices to keep (``--tvc-gpus``); None = every GPU that
-            ``CUDA_VISIBLE_DEVICES`` (integer indices) leaves visible.
-
-    Returns:
-        one :class:`Gpu` each, ``capacity_bytes`` = :data:`GPU_FREE_FRACTION` of
-        its free memory; empty without nvidia-smi, and when
-        ``CUDA_VISIBLE_DEVICES`` names devices by UUID or MIG name (the pool
-        places servers by index; without it servers run one at a time).
-
+    ``selected`` (``--tvc-gpus``) None keeps every GPU ``CUDA_VISIBLE_DEVICES`` leaves
+    visible. ``capacity_bytes`` is :data:`GPU_FREE_FRACTION` of free memory. Empty
+    without nvidia-smi or when ``CUDA_VISIBLE_DEVICES`` uses UUIDs or MIG names (then
+    servers run one at a time).
     """
     import os
 
@@ -360,17 +323,10 @@ def parse_gpus(text: str) -> list[int] | None:
 class ServerPool:
     """Starts, places, shares and stops the run's vLLM servers (see the module doc).
 
-    Args:
-        gpus: the GPUs to use (:func:`query_gpus`); empty: no GPU accounting, one
-            server starts at a time and none is placed (the old behaviour).
-        host_bytes: host RAM the pool may give CPU KV buffers; default
-            :data:`HOST_FREE_FRACTION` of psutil's available memory.
-        max_starting: servers starting at once (background starts); a foreground
-            start (a test waiting) is not held back by it.
-        timeline: where server events go (a new one by default).
-        need: ``(server) -> Need``; default :func:`need_of`.
-        queue_timeout_s: how long a start may wait for memory before it fails.
-
+    Empty ``gpus`` (:func:`query_gpus`): no accounting, one start at a time, no
+    placement. ``host_bytes`` defaults to :data:`HOST_FREE_FRACTION` of psutil's
+    available memory; ``max_starting`` bounds background starts only;
+    ``queue_timeout_s`` is seconds a start may wait for memory.
     """
 
     def __init__(self, gpus: Sequence[Gpu], host_bytes: int | None = None, *,
@@ -400,12 +356,8 @@ class ServerPool:
                  ) -> Any:
         """Return the pool's server of ``srv``'s spec (``srv`` itself when new).
 
-        Args:
-            srv: a :class:`tvc.procs.vllm_server.VllmServer` (not started).
-            users: names (test node ids) that will use it; :meth:`release` of the
-                last one stops it.
-            order: priority of its background start (lower first).
-
+        ``users`` are test node ids; :meth:`release` of the last one stops it. ``order``
+        is the background start priority (lower first).
         """
         key = srv.spec_key()
         with self._cv:
@@ -444,15 +396,8 @@ class ServerPool:
                 ) -> bool:
         """``user`` is done with ``srv``: stop it when no planned user is left.
 
-        Args:
-            srv: a server of the pool.
-            user: the name it was registered with (a test node id), or several.
-            stop: stop it when ``user`` was the last (else it stays up, and the
-                pool may stop it to make room).
-
-        Returns:
-            True when it was stopped.
-
+        Returns True when stopped. With ``stop`` False it stays up (the pool may evict
+        it).
         """
         key = srv.spec_key()
         with self._cv:
@@ -499,12 +444,12 @@ class ServerPool:
     def admit(self, srv: Any) -> None:
         """Block until ``srv`` fits, reserve its memory and place it (env, args).
 
-        Called by :meth:`VllmServer.start`. Without GPUs (``gpus`` empty) only
-        ``max_starting`` bounds it and nothing is placed.
+        Called by :meth:`VllmServer.start`; without GPUs only ``max_starting`` bounds
+        it.
 
         Raises:
-            ServerError: it can never fit (naming the spec and the numbers), or
-                it waited ``queue_timeout_s`` (naming the servers holding memory).
+            ServerError: it can never fit (naming the spec and the numbers), or it
+                waited ``queue_timeout_s`` (naming the servers holding memory).
 
         """
         need = self._need(srv)
@@ -625,8 +570,7 @@ class ServerPool:
     def _evict_one(self, exclude: Any) -> bool:
         """Stop an idle server, the one needed last (lock held).
 
-        Idle: running, started, and either prestarted and not claimed yet, or
-        claimed with no planned user left.
+        Idle: running, started, and unclaimed-prestarted or claimed with no user left.
         """
         idle = [s for s in self._servers.values()
                 if s is not exclude and s.is_alive() and id(s) in self._placed
@@ -646,12 +590,7 @@ class ServerPool:
         return True
 
     def close(self) -> list[Any]:
-        """Stop every server (those still starting too).
-
-        Returns:
-            the psutil processes that outlived their server's stop.
-
-        """
+        """Stop every server (those still starting too); return psutil survivors."""
         with self._cv:
             self.closed = True
             servers = list(self._servers.values())

@@ -1,15 +1,10 @@
 """The environment a vLLM process inherits: nothing of the suite's, nothing vLLM lacks.
 
-vLLM warns (``Unknown vLLM environment variable detected: X``) about every ``VLLM_*``
-variable it does not define, and fails with
-``--fail-on-environ-validation`` (``vllm/envs.py: validate_environ``, called from
-``vllm/engine/arg_utils.py``). The suite's own settings are all ``TVC_*`` and are read
-by the suite, never by vLLM, so :func:`server_environ` drops them together with
-unknown ``VLLM_*`` names before a vLLM server starts.
-
-The known names are the keys of ``environment_variables`` in the installed
-``vllm/envs.py``, read from the source with :mod:`ast` (importing ``vllm`` imports
-torch); when ``vllm.envs`` is already imported its dict is used directly.
+vLLM warns about (and with ``--fail-on-environ-validation`` fails on) every ``VLLM_*``
+name it does not define (``vllm/envs.py: validate_environ``, called from
+``vllm/engine/arg_utils.py``), so :func:`server_environ` drops those and the suite's
+``TVC_*``. Known names: ``environment_variables`` of the installed ``vllm/envs.py``,
+read with :mod:`ast` (no torch import), or ``vllm.envs`` when already imported.
 """
 
 from __future__ import annotations
@@ -41,10 +36,8 @@ _PARSE_LOCK = threading.Lock()
 def known_vllm_env_vars() -> frozenset[str] | None:
     """Names of the ``VLLM_*`` variables the installed vLLM defines.
 
-    Returns:
-        the keys of ``vllm.envs.environment_variables``, or None when vLLM or its
-        ``envs.py`` cannot be found or read (then no ``VLLM_*`` name is dropped).
-
+    None when vLLM or its ``envs.py`` cannot be read (then no ``VLLM_*`` name is
+    dropped).
     """
     mod = sys.modules.get("vllm.envs")
     if mod is not None and isinstance(getattr(mod, "environment_variables", None),
@@ -79,15 +72,9 @@ def server_environ(base: Mapping[str, str],
                    known: frozenset[str] | None = None) -> dict[str, str]:
     """``base`` without ``TVC_*`` and without ``VLLM_*`` names vLLM does not define.
 
-    Args:
-        base: the environment to copy (usually ``os.environ``).
-        known: the ``VLLM_*`` names to keep (default :func:`known_vllm_env_vars`;
-            None there keeps every ``VLLM_*`` name).
-
-    Returns:
-        a new dict; explicit overrides (a profile's ``[vllm] env``) are applied by the
-        caller after this, so a profile can still set any variable on purpose.
-
+    ``known`` defaults to :func:`known_vllm_env_vars` (None keeps every ``VLLM_*``).
+    Returns a new dict; the caller applies explicit overrides (``[vllm] env``)
+    afterwards.
     """
     if known is None:
         known = known_vllm_env_vars()
@@ -106,17 +93,9 @@ def apply_environ(env: Mapping[str, str],
                   ) -> Callable[[], None]:
     """Set ``env`` (and ``defaults`` where unset) in ``os.environ``.
 
-    For the in-process tiers: the profile's ``connector.env`` is set before the
-    connector is imported (level1, the contract tier) and inherited by every
-    process the run starts.
-
-    Args:
-        env: variables to set (strings), e.g. the profile's ``connector.env``.
-        defaults: variables set only where the environment has none.
-
-    Returns:
-        ``restore()``: puts back every variable as it was (set or unset).
-
+    For the in-process tiers: ``connector.env`` is set before the connector is imported
+    and inherited by every process the run starts. ``restore()`` puts every variable
+    back as it was (set or unset) and is returned.
     """
     import os
 

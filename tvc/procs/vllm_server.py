@@ -1,27 +1,15 @@
 """One owner for a ``vllm serve`` process, and the helpers the fixtures build it with.
 
-:class:`VllmServer` is a plain context manager. It builds the argv (model path, made
-absolute, ``--kv-transfer-config`` JSON, extra serve arguments), picks a free port
-itself (safe under pytest-xdist), copies the environment and applies the overrides
-vLLM needs here (``VLLM_SERVER_DEV_MODE=1`` for ``POST /reset_prefix_cache``,
-``HF_HUB_OFFLINE=1``), starts the server in its own session (process group), writes
-everything it prints to a log file, and polls ``/health`` until a deadline while
-checking that the process is alive: a server that dies first fails at once with the
-last log lines. Leaving the ``with`` block (success, failure, timeout, Ctrl-C)
-terminates the whole process group (SIGTERM, wait, SIGKILL) and checks with psutil
-that no process of the tree survived.
+:class:`VllmServer` (a context manager) builds the argv, claims a free port (safe under
+xdist), sets ``VLLM_SERVER_DEV_MODE=1`` (for ``POST /reset_prefix_cache``) and
+``HF_HUB_OFFLINE=1``, starts the server in its own process group with a log file, and
+polls ``/health`` while checking the process lives. Leaving the block kills the group
+(SIGTERM, wait, SIGKILL) and checks with psutil that nothing survived.
 
-One GPU server at a time: two vLLM servers starting on one GPU race for its memory
-(seen on the GPU host: "Available KV cache memory: -0.01 GiB"), so a server started
-with ``exclusive_gpu=True`` (the default) first *parks* (stops) any other exclusive
-server of this process, and logs that it did. A parked server's ``is_alive()`` is
-False; :meth:`VllmServer.ensure_running` starts it again. Under xdist the plugin
-runs every GPU owner on one worker (:mod:`tvc.plugin.run_control`), so the slot covers
-them;
-separate pytest processes are not coordinated: never run two at once on one GPU.
-
-The HTTP side (completions, streaming, ``/metrics``, the prefix-cache reset) is
-:mod:`tvc.procs.client`; import its names from there.
+One GPU server at a time: two servers starting on one GPU race for its memory
+("Available KV cache memory: -0.01 GiB" on the GPU host), so an ``exclusive_gpu`` server
+first parks any other of this process. Separate pytest processes are not coordinated.
+HTTP: :mod:`tvc.procs.client`; see docs/servers.md.
 """
 
 from __future__ import annotations
@@ -56,8 +44,8 @@ from tvc.procs.server_env import NO_TELEMETRY_ENV, server_environ
 VLLM_LAUNCHER = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
               "PYTHONUNBUFFERED": "1", **NO_TELEMETRY_ENV}
-# A tiny model starts in 55-92 s on the GPU host (seen by hand); a 7B model loads
-# for a few minutes. 600 s bounds both without hanging a run forever.
+# A tiny model starts in 55-92 s on the GPU host, a 7B model in a few minutes: 600 s
+# bounds both without hanging a run forever.
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 30.0  # SIGTERM grace before SIGKILL
 HEALTH_POLL_S = 0.5
@@ -77,20 +65,12 @@ def _port_registry() -> Path:
 def free_port(host: str = "127.0.0.1", max_tries: int = 50) -> int:
     """Pick a TCP port that is free now and not handed out before (by any process).
 
-    The OS picks the port (bind to port 0); the port is then claimed by creating
-    ``$TMPDIR/tvc-ports-<uid>/<port>`` with ``O_EXCL``, so two pytest-xdist workers
-    (or two calls in one process) never get the same port. Claims older than an hour
-    are forgotten.
-
-    Args:
-        host: interface to probe.
-        max_tries: attempts before giving up.
-
-    Returns:
-        a port number.
+    The OS picks it (bind to 0); it is claimed with ``O_EXCL`` on
+    ``$TMPDIR/tvc-ports-<uid>/<port>`` so xdist workers never share one; claims expire
+    after an hour.
 
     Raises:
-        ServerError: no unclaimed free port was found.
+        ServerError: no unclaimed free port in ``max_tries`` attempts.
 
     """
     registry = _port_registry()
@@ -143,52 +123,24 @@ def _die_with_parent() -> None:
 class VllmServer:
     """Owns one ``vllm serve`` process (OpenAI API server) and its process group.
 
-    Use as a context manager; ``__enter__`` returns once ``/health`` answers 200::
-
-        with VllmServer(model, kv_transfer_config=cfg, serve_args=args,
-                        log_path=tmp / "server.log") as srv:
-            out = srv.client().complete([1, 2, 3])
-
-    Args:
-        model: local model directory (or name), passed as ``--model``.
-        kv_transfer_config: the ``--kv-transfer-config`` dict (JSON-encoded); None
-            for a server without a connector.
-        serve_args: extra arguments appended to the argv.
-        log_path: file the server's stdout and stderr go to (appended; created).
-        env: environment overrides on top of a copy of ``os.environ`` and
-            :data:`SERVER_ENV`.
-        host: interface to bind.
-        port: port to use; default: :func:`free_port` (new one on each start).
-        startup_timeout_s: seconds to wait for ``/health``.
-        stop_timeout_s: seconds between SIGTERM and SIGKILL at teardown.
-        launcher: the command before ``--model``; default
-            ``python -m vllm.entrypoints.openai.api_server`` with this interpreter.
-        cwd: working directory of the server; default the log file's folder (so
-            nothing in the repo root shadows the server's imports).
-        die_with_parent: ask Linux to SIGTERM the server when the thread that
-            started it exits (a last resort if pytest itself is killed); start the
-            server from a thread that outlives it.
-        exclusive_gpu: hold the process's one GPU-server slot: starting this
-            server first stops (parks) any other exclusive server of the process.
-            A server of a :class:`tvc.procs.pool.ServerPool` never parks another.
-        name: the server's name in the timeline and in messages; default the log
-            file's stem.
-        whole_gpu: in a pool, run alone on its GPU(s) (the large trace).
+    A context manager; ``__enter__`` returns once ``/health`` answers 200. ``model`` (a
+    local directory is made absolute, else a hub name) goes to ``--model``;
+    ``kv_transfer_config`` None means no connector; ``log_path`` is appended to; ``env``
+    overrides a copy of ``os.environ`` plus :data:`SERVER_ENV`; ``port`` defaults to
+    :func:`free_port` on each start; ``launcher`` defaults to ``python -m
+    vllm.entrypoints.openai.api_server``; ``cwd`` to the log's folder (nothing in the
+    repo root shadows imports). ``die_with_parent``: Linux SIGTERMs the server when the
+    starting thread exits. ``exclusive_gpu`` holds the process's one GPU slot (parks any
+    other; pooled servers never park). ``whole_gpu``: alone on its GPU(s) in a pool.
 
     Attributes:
-        model: the ``--model`` value: an existing local path is made absolute
-            (the server runs with ``cwd`` as its working directory, so a relative
-            path would name another folder); anything else (a hub name) as given.
-        log_path: the log file.
         port: the port of the current (or last) start; 0 before the first.
-        argv: the argv of the current (or last) start.
         parked_by: the server whose start parked this one (None when not parked).
         pool: the :class:`tvc.procs.pool.ServerPool` that admits and places it, or None.
-        placement_env: environment the pool adds (``CUDA_VISIBLE_DEVICES``).
-        placement_args: serve args the pool appends (``--kv-cache-memory-bytes``,
-            ``--gpu-memory-utilization``).
-        claimed: a caller started (or waited for) it; a prestarted server nobody
-            claimed yet may be stopped by the pool to make room.
+        placement_env / placement_args: what the pool adds (``CUDA_VISIBLE_DEVICES``,
+            ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``).
+        claimed: a caller started (or waited for) it; an unclaimed prestarted server may
+            be stopped by the pool to make room.
 
     """
 
@@ -274,8 +226,8 @@ class VllmServer:
     def spec_key(self) -> str:
         """Hex digest of what makes two servers interchangeable.
 
-        The launcher, model, ``--kv-transfer-config``, serve args and environment
-        overrides (not the port, log file or the pool's placement).
+        Launcher, model, kv config, serve args, env overrides (not port, log,
+        placement).
         """
         spec = [self.launcher, self.model, self.kv_transfer_config, self.serve_args,
                 sorted(self.env_overrides.items()), self.whole_gpu]
@@ -285,8 +237,8 @@ class VllmServer:
     def build_env(self) -> dict[str, str]:
         """Return the server's environment (see :mod:`tvc.procs.server_env`).
 
-        ``os.environ`` less ``TVC_*`` and unknown ``VLLM_*`` names, then
-        :data:`SERVER_ENV`, then the overrides.
+        ``os.environ`` less ``TVC_*`` and unknown ``VLLM_*``, then :data:`SERVER_ENV`,
+        then the overrides.
         """
         return {**server_environ(os.environ), **SERVER_ENV, **self.env_overrides,
                 **self.placement_env}
@@ -327,15 +279,12 @@ class VllmServer:
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
-        """Start the server and wait for ``/health``.
-
-        A start that fails because the port was taken meanwhile is retried with a
-        new port (twice at most).
+        """Start the server and wait for ``/health`` (a taken port is retried twice).
 
         Raises:
             ServerError: the process exited before ``/health`` answered 200, or the
-                deadline passed; the message has the last log lines. The process
-                group is gone when this raises.
+                deadline passed; the message has the last log lines; the process group
+                is gone.
             KeyboardInterrupt: passed on after the process group is stopped.
 
         """
@@ -386,8 +335,8 @@ class VllmServer:
     def start_in_background(self) -> None:
         """Begin :meth:`start` in a thread; :meth:`start` later waits for it.
 
-        The thread lives until the server stops, so ``die_with_parent`` (which
-        ties the server to the thread that started it) keeps its meaning.
+        The thread lives until the server stops, so ``die_with_parent`` keeps its
+        meaning.
         """
         if self._bg is not None or self.is_alive():
             return
@@ -431,11 +380,10 @@ class VllmServer:
             raise err
 
     def _take_gpu_slot(self) -> None:
-        """Park (stop) the exclusive server that holds the GPU slot, then take it.
+        """Park (stop) the exclusive server holding the GPU slot, then take it.
 
         Raises:
-            ServerError: the parked server left processes behind (they would hold
-                GPU memory the new server needs).
+            ServerError: the parked server left processes behind (holding GPU memory).
 
         """
         with _LIVE_LOCK:
@@ -462,12 +410,8 @@ class VllmServer:
     def ensure_running(self) -> bool:
         """Start the server again if it is not running (parked, or died).
 
-        Returns:
-            True when it had to be started (new port, empty GPU prefix cache).
-
-        Raises:
-            ServerError: as :meth:`start`.
-
+        Returns True when it had to start (new port, empty GPU prefix cache); raises as
+        :meth:`start`.
         """
         if self._bg is not None and not self.claimed:
             self._claim_background()
@@ -543,9 +487,8 @@ class VllmServer:
     def stop(self) -> None:
         """Stop the whole process tree: SIGTERM to the group, wait, then SIGKILL.
 
-        Idempotent; safe to call from ``finally``, atexit or after a failed start.
-        Afterwards :meth:`leftovers` lists any process of the tree that survived
-        (normally none).
+        Idempotent (safe from ``finally``, atexit or after a failed start);
+        :meth:`leftovers` then lists survivors.
         """
         if self._bg is not None and threading.current_thread() is not self._bg:
             self._cancel = not self._bg_done.is_set()
@@ -584,17 +527,8 @@ class VllmServer:
 def absolute_model_path(model: str | os.PathLike[str]) -> str:
     """The ``--model`` value: an existing local path made absolute, else as given.
 
-    The server runs with its log folder as the working directory, so a relative
-    model path (e.g. resolved against the profile file's folder by a caller, or
-    typed relative to the repo root) must be absolute before it is handed over.
-
-    Args:
-        model: a local model directory (absolute or relative to the current
-            working directory) or a hub name such as ``meta-llama/Llama-3.1-8B``.
-
-    Returns:
-        the absolute path when ``model`` exists on disk, else ``str(model)``.
-
+    The server's working directory is its log folder, so relative paths must be
+    absolute; a hub name (``meta-llama/Llama-3.1-8B``) is returned as ``str(model)``.
     """
     p = Path(model).expanduser()
     return str(p.resolve()) if p.exists() else str(model)
@@ -612,27 +546,13 @@ def profile_server(profile: Any, model: str | os.PathLike[str], log_path: Path,
                    **overrides: Any) -> VllmServer:
     """A (not yet started) :class:`VllmServer` serving ``profile``'s connector.
 
-    Args:
-        profile: the :class:`tvc.config.profile.Profile` to serve.
-        model: the model directory (see :func:`tvc.env.model.served_model`).
-        log_path: the server's log file.
-        **overrides: keyword arguments for :class:`VllmServer` that replace the
-            profile's (``kv_transfer_config``, ``serve_args``, ``env``...).
-            Store paths inside the profile's scratch directory (or a
-            test-device folder) in the ``kv_transfer_config`` used (the
-            profile's or an override) are moved to this session's store folder
-            (:func:`tvc.core.run_store.isolate_store_paths`): every server of the
-            session shares it, a restart keeps it, the session's end removes it.
-            A connector server (one with a ``kv_transfer_config``) logs at the
-            profile's ``connector.hit_log_level`` (``VLLM_LOGGING_LEVEL``, read by
-            vLLM 0.26 and 0.28 in vllm/envs.py) unless ``env`` sets it.
-            The profile's ``connector.env``, then its ``[vllm] env``, are the
-            server's environment on top of the process's; an ``env`` override
-            adds to it, key by key.
-
-    Returns:
-        the server (use it as a context manager).
-
+    ``overrides`` replace the profile's :class:`VllmServer` arguments (an ``env``
+    override adds key by key to ``connector.env`` then ``[vllm] env``). Store paths in
+    scratch or a test device are moved to this session's store folder
+    (:func:`tvc.core.run_store.isolate_store_paths`: shared by the session's servers,
+    kept over restarts, removed at the end). A connector server logs at
+    ``connector.hit_log_level`` (``VLLM_LOGGING_LEVEL``, vllm/envs.py 0.26 and 0.28)
+    unless ``env`` sets it.
     """
     kwargs: dict[str, Any] = {
         "kv_transfer_config": profile.kv_transfer_config(),

@@ -1,21 +1,12 @@
 """Store bandwidth: measurement, graded thresholds, reference lines and the chart.
 
-Figures are decimal GB/s (1 GB = 1e9 bytes, the unit of the operators' expectations)
-and binary GiB/s (1 GiB = 2**30 bytes). Every measurement moves ``TOTAL_BYTES`` (1 GiB)
-and is repeated ``REPETITIONS`` times; the summary is median, min and max.
-
-Page-cache honesty: before every read repetition the pool files are fsynced and dropped
-from the page cache (``posix_fadvise(DONTNEED)``, no root needed); a write repetition
-includes ``store.sync()``. Each figure carries a label: ``direct`` (the store says it
-bypasses the page cache and a probe saw none of its pages there,
-:func:`verified_direct_io`), ``cache dropped`` (buffered I/O, cache dropped before
-reads) or ``cached`` (neither could be ensured; the figure may be the page cache's
-speed).
-
-Thresholds (:func:`threshold_gbps`) follow the operators' graded expectations for one
-disk, the four disks of one NUMA node and the whole machine (8 disks); the profile's
-``[bandwidth]`` section sets the three points and ``num_disks``, and their defaults (the
-operators' figures) live only in ``tvc.config.profile.SCHEMA["bandwidth"]``.
+Figures are decimal GB/s (1e9 B, the operators' unit) and GiB/s (2**30 B); each
+measurement moves ``TOTAL_BYTES`` ``REPETITIONS`` times (median, min, max). Reads follow
+an fsync and ``posix_fadvise(DONTNEED)``; writes include ``store.sync()``. Labels:
+``direct`` (claimed and verified, :func:`verified_direct_io`), ``cache dropped`` or
+``cached`` (may be page-cache speed). Thresholds (:func:`threshold_gbps`) are the
+operators' graded points for 1, 4 (a NUMA node) and 8 disks, set in ``[bandwidth]``
+(defaults in ``tvc.config.profile.SCHEMA["bandwidth"]``).
 """
 
 from __future__ import annotations
@@ -41,13 +32,11 @@ GRADE_POINTS = ((1, "single_disk_gbps"), (4, "numa_node_gbps"), (8, "machine_gbp
 def summarize(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
     """Median, min and max throughput of repetitions that each moved ``nbytes``.
 
-    Args:
-        nbytes: bytes moved per repetition.
-        seconds: wall time of each repetition, s (> 0).
+    ``seconds`` per repetition (> 0).
 
     Returns:
-        ``median_gbps``, ``min_gbps``, ``max_gbps`` (1e9 B/s), the same in
-        ``*_gibps`` (2**30 B/s), ``reps`` and ``bytes``.
+        ``median_gbps``, ``min_gbps``, ``max_gbps`` (1e9 B/s), the same in ``*_gibps``
+        (2**30 B/s), ``reps`` and ``bytes``.
 
     Raises:
         ValueError: no repetitions, or a non-positive time.
@@ -63,18 +52,11 @@ def summarize(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
 
 
 def threshold_gbps(num_disks: int, section: Mapping[str, Any]) -> tuple[float, str]:
-    """The GB/s a store on ``num_disks`` disks is expected to reach.
+    """The GB/s a store on ``num_disks`` disks should reach, and the tier phrase.
 
-    The graded points are (1 disk, ``single_disk_gbps``), (4, ``numa_node_gbps``),
-    (8, ``machine_gbps``); between two points the expectation is interpolated
-    linearly, beyond 8 disks it stays at ``machine_gbps``.
-
-    Args:
-        num_disks: disks the store uses (``[bandwidth] num_disks``), >= 1.
-        section: the profile's ``[bandwidth]`` section.
-
-    Returns:
-        (GB/s, a phrase naming the tier, e.g. ``"one NUMA node (4 disks)"``).
+    Points (1, ``single_disk_gbps``), (4, ``numa_node_gbps``), (8, ``machine_gbps``) are
+    interpolated linearly; beyond 8 the machine figure holds. The phrase is e.g. ``"one
+    NUMA node (4 disks)"``.
 
     Raises:
         ValueError: ``num_disks`` < 1.
@@ -102,17 +84,8 @@ def compare(direction: str, measured_gbps: float, threshold: float, tier: str,
             label: str, io_size: int) -> str:
     """An empty string when ``measured_gbps`` meets ``threshold``, else the failure.
 
-    Args:
-        direction: ``"write"`` or ``"read"``.
-        measured_gbps: the best median over the I/O sizes, GB/s.
-        threshold: expected GB/s (see :func:`threshold_gbps`).
-        tier: the tier phrase.
-        label: the page-cache label of the figure.
-        io_size: I/O size of the best median, bytes.
-
-    Returns:
-        "" or a sentence: expected, seen, what to do.
-
+    ``measured_gbps`` is the best median over I/O sizes (GB/s), at ``io_size`` bytes;
+    the failure says expected, seen and what to do.
     """
     if measured_gbps >= threshold:
         return ""
@@ -124,15 +97,7 @@ def compare(direction: str, measured_gbps: float, threshold: float, tier: str,
 
 
 def drop_page_cache(paths: Iterable[Path | str]) -> bool:
-    """Flush and drop the page cache of regular files (no root needed).
-
-    Args:
-        paths: files; non-regular paths (devices, missing) are skipped.
-
-    Returns:
-        True when every regular file was flushed and dropped.
-
-    """
+    """Flush and drop regular files' page cache (others skipped); True if all were."""
     ok = True
     for p in paths:
         p = Path(p)
@@ -170,9 +135,8 @@ _DIRECT: dict[int, bool] = {}  # id(store) -> its page-cache bypass, as measured
 def verified_direct_io(store: Any, device: str) -> bool:
     """Whether the store both claims and is seen to bypass the page cache.
 
-    Measured once per store (:func:`tvc.store.checks.measure_direct_io`): a
-    ``direct_io`` claim that the page cache contradicts, or that cannot be
-    observed, is not taken.
+    Measured once per store (:func:`tvc.store.checks.measure_direct_io`); an
+    unobservable claim is not taken.
     """
     if id(store) not in _DIRECT:
         from tvc.store.checks import measure_direct_io
@@ -188,17 +152,8 @@ def measure_store(store: Any, direction: str, io_size: int, device: str,
                   ) -> tuple[list[float], str]:
     """Time ``reps`` passes of ``total`` bytes through the store in ``io_size`` calls.
 
-    Writes cover ``[0, total)`` with consecutive calls and end with ``store.sync()``;
-    reads cover the same range after the page cache of the pool is dropped.
-
-    Args:
-        store: an open :class:`tvc.store.gpu_direct.GpuDirectStore` of >= ``total``
-        bytes.
-        direction: ``"write"`` or ``"read"``.
-        io_size: bytes per call.
-        device: where the buffer lives (``"cuda"`` for the tier).
-        total: bytes per repetition (a multiple of ``io_size``).
-        reps: repetitions.
+    Writes cover ``[0, total)`` and end with ``store.sync()``; reads follow a page-cache
+    drop. ``total`` is a multiple of ``io_size`` (bytes); the store holds >= ``total``.
 
     Returns:
         (seconds per repetition, page-cache label: ``direct`` only where
@@ -235,11 +190,8 @@ def measure_kvikio_file(path: Path, direction: str, device: str,
                         ) -> list[float]:
     """Time kvikio's own ``CuFile`` pread/pwrite of ``total`` bytes of ``path``.
 
-    One call per repetition with kvikio's default task size and thread pool, as
-    kvikio's own benchmark does; the page cache is dropped before each read.
-
-    Returns:
-        seconds per repetition.
+    One call per repetition, kvikio's default task size and pool (as kvikio's
+    benchmark); cache dropped before reads. Returns seconds per repetition.
 
     Raises:
         tvc.store.gpu_direct.StoreError: kvikio does not import.
@@ -276,9 +228,7 @@ def measure_pinned_copy(total: int = TOTAL_BYTES, reps: int = REPETITIONS,
                         chunk: int = 256 * MIB) -> dict[str, list[float]]:
     """Pinned host <-> device copy times (the PCIe ceiling), ``total`` bytes each.
 
-    Returns:
-        ``{"h2d": [s, ...], "d2h": [s, ...]}``.
-
+    Returns ``{"h2d": [s, ...], "d2h": [s, ...]}``.
     """
     import torch
 
@@ -307,20 +257,10 @@ def bar_chart(results: Mapping[str, Any], path: Path,
               savefig: Callable[..., Any] | None = None) -> Path | None:
     """Draw one PNG bar chart of the store's median GB/s per I/O size.
 
-    Write and read bars with min-max whiskers; the threshold and the reference
-    lines are horizontal lines.
-
-    Args:
-        results: ``{"write": {size: summary}, "read": {...}, "threshold_gbps",
-            "refs": {name: GB/s}, "title"}``.
-        path: the PNG to write.
-        savefig: for tests; default matplotlib's.
-
-    Returns:
-        ``path``; None when matplotlib (the ``plots`` extra) is not installed: the
-        figures are in ``bandwidth.json`` and the reports, and the summary page says
-        the charts were left out.
-
+    Write/read bars with min-max whiskers; threshold and references as lines.
+    ``results`` is ``{"write": {size: summary}, "read": {...}, "threshold_gbps", "refs":
+    {name: GB/s}, "title"}``. Returns ``path``, or None without matplotlib (the
+    ``plots`` extra).
     """
     try:
         import matplotlib

@@ -27,18 +27,9 @@ CHUNK_BYTES = 256 << 20  # bytes per transfer when sweeping a whole pool
 def pattern(offset: int, nbytes: int, seed: int, device: str = "cpu") -> Any:
     """A deterministic byte pattern that depends on the absolute pool offset.
 
-    Byte at pool offset ``p``: a 32-bit multiplicative hash of ``p`` and ``seed``,
-    low 8 bits. Built on ``device`` in pieces of ``PATTERN_PIECE`` elements.
-
-    Args:
-        offset: pool offset of the first byte.
-        nbytes: length in bytes.
-        seed: selects one of many patterns (different seeds differ almost everywhere).
-        device: torch device string.
-
-    Returns:
-        a 1-D ``torch.uint8`` tensor of ``nbytes`` on ``device``.
-
+    Byte at pool offset ``p``: low 8 bits of a 32-bit multiplicative hash of ``p`` and
+    ``seed`` (seeds differ almost everywhere). Built on ``device`` in ``PATTERN_PIECE``
+    pieces; returns a 1-D ``torch.uint8`` tensor of ``nbytes``.
     """
     import torch
 
@@ -56,16 +47,11 @@ def pattern(offset: int, nbytes: int, seed: int, device: str = "cpu") -> Any:
 
 
 def first_mismatch(got: Any, want: Any, base: int) -> dict[str, Any]:
-    """Compare two uint8 tensors on their device.
-
-    Args:
-        got: what the store returned.
-        want: what was written.
-        base: pool offset of element 0 (for the message).
+    """Compare two uint8 tensors on their device (``base``: pool offset of element 0).
 
     Returns:
-        ``{"mismatches": int}`` plus, when any, ``first_mismatch``:
-        ``{"offset", "expected", "seen"}`` (pool offset and byte values).
+        ``{"mismatches": int}`` plus, when any, ``first_mismatch``: ``{"offset",
+        "expected", "seen"}`` (pool offset and byte values).
 
     """
     import torch
@@ -131,27 +117,17 @@ def measure_direct_io(store: GpuDirectStore, seed: int, device: str,
                       nbytes: int = DIRECT_PROBE_BYTES) -> dict[str, Any]:
     """Whether a store's writes and reads bypass the page cache, observed.
 
-    Every regular file the store names (``files()``) is written back and
-    evicted (:func:`tvc.core.pagecache.drop_cached`); ``nbytes`` of the pattern
-    are written through the store at offset 0 and ``sync()``-ed, the page-cache
-    residency of its files is read (``mincore``, :func:`tvc.core.pagecache.
-    resident_pages`); then the files are evicted again, the bytes read back
-    through the store (bit-exact) and the residency read again. A write or
-    read through the page cache leaves its pages resident; ``O_DIRECT`` and
-    GPUDirect Storage leave none.
-
-    Args:
-        store: the store (its pool at least ``nbytes`` bytes).
-        seed: pattern seed.
-        device: where the buffers live.
-        nbytes: bytes to write and read.
+    The store's regular files (``files()``) are evicted
+    (:func:`tvc.core.pagecache.drop_cached`), ``nbytes`` written at offset 0 and synced,
+    residency read (``mincore``, :func:`tvc.core.pagecache.resident_pages`); evicted
+    again, read back, residency read again. Page-cache I/O leaves pages resident;
+    ``O_DIRECT`` and GDS leave none.
 
     Returns:
-        ``claimed`` (``store.direct_io``), ``direct`` (True: no page of the
-        probe resident after the write nor after the read; False: resident;
-        None: nothing to observe, no regular file or no ``mincore``),
-        ``written_pages``, ``resident_after_write``, ``resident_after_read``
-        and ``files``.
+        ``claimed`` (``store.direct_io``), ``direct`` (True: nothing resident after
+        write and read; False: resident; None: no regular file or no ``mincore``),
+        ``written_pages``, ``resident_after_write``, ``resident_after_read`` and
+        ``files``.
 
     Raises:
         AssertionError: the read-back differs.
@@ -204,12 +180,11 @@ def check_direct_io_claim(store: GpuDirectStore, seed: int, device: str,
                           nbytes: int = DIRECT_PROBE_BYTES) -> dict[str, Any]:
     """A store that says it bypasses the page cache does: measured, not trusted.
 
-    Raises:
-        AssertionError: ``direct_io`` is True but the probe's pages were in the
-            page cache after its write or its read (:func:`measure_direct_io`).
+    Returns :func:`measure_direct_io`'s facts.
 
-    Returns:
-        :func:`measure_direct_io`'s facts.
+    Raises:
+        AssertionError: ``direct_io`` is True but the probe's pages were cached after
+            its write or read.
 
     """
     facts = measure_direct_io(store, seed, device, nbytes)
@@ -233,11 +208,8 @@ def check_full_pool(store: GpuDirectStore, seed: int, device: str,
                     chunk_bytes: int = CHUNK_BYTES) -> dict[str, float]:
     """Fill the whole pool with the pattern, then read all of it back and compare.
 
-    Every chunk is written before any is read, so a later write landing on an
-    earlier chunk is caught.
-
-    Returns:
-        ``{"write_s", "read_s", "bytes"}``: wall seconds including sync, and bytes.
+    All chunks are written before any is read, so a write landing on an earlier chunk is
+    caught. Returns ``{"write_s", "read_s", "bytes"}`` (wall seconds including sync).
 
     Raises:
         AssertionError: any chunk differs.
@@ -272,9 +244,8 @@ def check_capacity_enforced(store: GpuDirectStore, seed: int, device: str,
                             tail: int = 8192) -> None:
     """A write past capacity fails and leaves existing data intact.
 
-    Writes the pattern into the last ``tail`` bytes, then tries (a) a write that
-    starts inside and crosses the end, (b) a write starting at ``capacity``, (c) a
-    read crossing the end; each must raise. The tail must still read back.
+    With the pattern in the last ``tail`` bytes: a write crossing the end, a write at
+    ``capacity`` and a read crossing the end must each raise; the tail must read back.
 
     Raises:
         AssertionError: a past-the-end operation was accepted or changed data.
@@ -324,8 +295,8 @@ def check_concurrent_writers(store: GpuDirectStore, seed: int, device: str,
                              pieces: int = 8, base: int = 0) -> None:
     """Several threads write disjoint ranges at once; each range reads back intact.
 
-    Writer ``i`` owns ``[base + i*span, base + (i+1)*span)`` and writes it in
-    ``pieces`` interleaved pieces (all writers start together at a barrier).
+    Writer ``i`` owns ``[base + i*span, base + (i+1)*span)``, written in ``pieces``
+    interleaved pieces after a common barrier.
 
     Raises:
         AssertionError: a writer failed or a range came back altered.
@@ -371,12 +342,8 @@ def check_cross_process(store: GpuDirectStore, spec: StoreSpec, seed: int,
                         device: str, nbytes: int = 32 << 20) -> dict[str, Any]:
     """Data written by this process is read by another, and the other way round.
 
-    Uses the first ``2 * nbytes`` bytes of the pool: this process writes the first
-    half and a worker verifies it; the worker writes the second half and this
-    process verifies it.
-
-    Returns:
-        ``{"worker_pids": [..], "io_path": worker's io_path}``.
+    Uses the first ``2 * nbytes`` bytes: this process writes the first half for a worker
+    to verify, the worker the second half. Returns ``{"worker_pids", "io_path"}``.
 
     Raises:
         AssertionError: either direction did not see the other's bytes.
@@ -419,10 +386,7 @@ def check_writes_stay_inside(store: GpuDirectStore, spec: StoreSpec) -> None:
 
 
 def check_destroy_removes(store: GpuDirectStore) -> list[str]:
-    """``destroy()`` removes every file the store named.
-
-    Returns:
-        the removed paths.
+    """``destroy()`` removes every file the store named; returns the removed paths.
 
     Raises:
         AssertionError: a regular file the store wrote is still there.

@@ -1,45 +1,14 @@
 """GPU-direct stores the suite can drive: the protocol, two adapters and the hook.
 
-The protocol (:class:`GpuDirectStore`) is what the ``real_nvme`` and ``bandwidth`` tiers
-need from a store, nothing more:
-
-- a *factory* ``open(path: Path, pool_bytes: int, **options) -> GpuDirectStore`` opens
-  (creating when absent) a pool of ``pool_bytes`` bytes at ``path``; an existing pool
-  keeps its contents, so a second process opening the same spec sees the same bytes;
-- ``write(offset, src)`` / ``read(offset, dst)`` move ``src.numel()`` /
-  ``dst.numel()`` bytes between a 1-D contiguous ``torch.uint8`` tensor (on the GPU
-  for the GPU-direct path) and the pool at byte ``offset``; a range outside
-  ``[0, capacity)`` raises and leaves the pool unchanged;
-- ``capacity`` (bytes), ``io_path`` (``"gds"``: GPUDirect Storage really used;
-  ``"compat"``: cuFile/kvikio compat mode, bounce buffers through host memory;
-  ``"posix"``: plain host I/O), ``direct_io`` (page cache bypassed);
-- ``sync()``, ``files()`` (every path it writes: the tiers check they lie in the
-  suite's scratch area or a profile-listed test device), ``describe()`` (facts for the
-  report), ``close()`` and ``destroy()`` (close and remove the pool).
-
-Adapters here:
-
-``open_kvikio_store``
-    the reference: kvikio ``CuFile`` on ``<path>/pool.bin``. GDS where the nvidia-fs
-    driver and cuFile allow it; otherwise it says ``compat``.
-``open_posix_store``
-    pure host I/O (``os.pwritev``/``os.preadv`` with ``O_DIRECT`` where the file system
-    allows it); accepts CPU tensors, so the suite's self-tests run without a GPU.
-
-The target hook: a profile's ``[store]`` section names the factory, e.g. for Tutti::
-
-    [store]
-    factory = "tutti_suite_adapter:open_store"    # module:function on PYTHONPATH
-    path = "${SCRATCH}/tutti-store"
-    pool_bytes = 8589934592
-    options = { preset = "${TUTTI_NVME_PRESET}" }  # passed as keyword arguments
-    test_devices = ["/mnt/nvme0", "/mnt/nvme1"]    # where it may write besides scratch
-
-and ``tutti_suite_adapter.open_store(path, pool_bytes, preset)`` returns an object with
-the methods above, wrapping Tutti's local store backend.
-
-Run as ``python -m tvc.store.gpu_direct '<json>'`` this module is the worker that the
-cross-process check starts (see :func:`run_store_worker`).
+:class:`GpuDirectStore` is what the ``real_nvme`` and ``bandwidth`` tiers need. A
+factory ``open(path, pool_bytes, **options)`` opens (creating when absent) a pool of
+``pool_bytes`` bytes at ``path``; an existing pool keeps its contents, so a second
+process opening the same spec sees the same bytes. Adapters: :func:`open_kvikio_store`
+(kvikio ``CuFile`` on ``<path>/pool.bin``; GDS where nvidia-fs and cuFile allow it, else
+``compat``) and :func:`open_posix_store` (host I/O, ``O_DIRECT`` where allowed; takes
+CPU tensors, so self-tests run without a GPU). A profile's ``[store] factory =
+"module:function"`` plugs in a target's store (docs/profiles.md, ``[store]``). Run as
+``python -m tvc.store.gpu_direct '<json>'`` it is :func:`run_store_worker`'s worker.
 """
 
 from __future__ import annotations
@@ -76,7 +45,8 @@ class GpuDirectStore(Protocol):
 
     Attributes:
         capacity: usable bytes, ``[0, capacity)``.
-        io_path: ``"gds"``, ``"compat"`` or ``"posix"``: the path actually used.
+        io_path: the path actually used: ``"gds"`` (GPUDirect Storage), ``"compat"``
+            (cuFile/kvikio compat mode, host bounce buffers) or ``"posix"`` (host I/O).
         direct_io: True when data bypasses the page cache.
 
     """
@@ -86,7 +56,7 @@ class GpuDirectStore(Protocol):
     direct_io: bool
 
     def write(self, offset: int, src: Any) -> None:
-        """Write all bytes of ``src`` (1-D contiguous uint8 tensor) at ``offset``.
+        """Write all bytes of ``src`` (1-D contiguous uint8 tensor) at byte ``offset``.
 
         Raises:
             Exception: the range leaves ``[0, capacity)``; the pool is unchanged.
@@ -142,10 +112,9 @@ def _nbytes(t: Any) -> int:
 def create_pool(file: Path, pool_bytes: int) -> None:
     """Create (or grow) ``file`` to ``pool_bytes`` rounded up to ALIGN, allocated.
 
-    The suite only writes and removes pools it made: a new pool gets an ownership
-    marker (:func:`tvc.core.run_store.mark_file_owned`), a missing folder is made with
-    one; an existing file without the marker is refused (inside ``<repo>/.scratch``,
-    the suite's own area, a pool from before markers is adopted).
+    A new pool (and a missing folder) gets an ownership marker
+    (:func:`tvc.core.run_store.mark_file_owned`); an unmarked existing file is refused
+    (pre-marker pools inside ``<repo>/.scratch`` are adopted).
 
     Raises:
         StoreError: ``file`` exists and the suite did not make it.
@@ -176,18 +145,11 @@ def create_pool(file: Path, pool_bytes: int) -> None:
 
 
 class PosixStore:
-    """Reference store on host I/O: a pool file, ``O_DIRECT`` where possible.
+    """Reference store on host I/O: ``path/pool.bin``, ``O_DIRECT`` where possible.
 
-    Device tensors are staged through host memory (so its ``io_path`` is always
-    ``"posix"``); CPU tensors go straight to the file. Unaligned edges are
-    read-modify-written under a lock, so writers of disjoint ranges never clobber
-    each other.
-
-    Args:
-        path: directory of the pool (created); the pool is ``path/pool.bin``.
-        pool_bytes: capacity in bytes.
-        direct: try ``O_DIRECT`` (falls back to buffered I/O where refused).
-
+    Device tensors are staged through host memory (``io_path`` is always ``"posix"``).
+    Unaligned edges are read-modify-written under a lock, so writers of disjoint ranges
+    never clobber each other. ``direct`` falls back to buffered I/O where refused.
     """
 
     adapter = "posix"
@@ -343,10 +305,7 @@ def open_posix_store(path: Path, pool_bytes: int, direct: bool = True) -> PosixS
 
 
 def import_kvikio() -> Any:
-    """Import kvikio or explain how to get it.
-
-    Returns:
-        the ``kvikio`` module.
+    """Import and return kvikio, or explain how to get it.
 
     Raises:
         StoreError: kvikio (or libkvikio / libcufile behind it) does not load.
@@ -369,18 +328,10 @@ def import_kvikio() -> Any:
 
 
 def kvikio_io_path(kvikio: Any) -> tuple[str, dict[str, Any]]:
-    """Which path kvikio's CuFile really takes here, and why.
+    """Which path kvikio's CuFile really takes here: (``"gds"``/``"compat"``, facts).
 
-    ``gds`` needs all of: kvikio not preferring its compat mode, cuFile reporting
-    GDS available, and the nvidia-fs kernel driver present (without it cuFile itself
-    runs in its compat mode). Anything less is ``compat``.
-
-    Args:
-        kvikio: the imported module.
-
-    Returns:
-        (``"gds"`` or ``"compat"``, facts for the report).
-
+    ``gds`` needs kvikio not preferring compat mode, cuFile reporting GDS available, and
+    the nvidia-fs kernel driver (without it cuFile runs in compat mode).
     """
     facts: dict[str, Any] = {"kvikio_version": getattr(kvikio, "__version__", "")}
     try:
@@ -416,12 +367,8 @@ def kvikio_io_path(kvikio: Any) -> tuple[str, dict[str, Any]]:
 class KvikioStore:
     """Reference GPU-direct store: kvikio ``CuFile`` on ``<path>/pool.bin``.
 
-    Args:
-        path: directory of the pool (created).
-        pool_bytes: capacity in bytes.
-        direct: ask kvikio for ``O_DIRECT`` in compat mode
-            (``auto_direct_io_read``/``auto_direct_io_write``, where supported).
-        task_size: kvikio task size in bytes (None = kvikio's default).
+    ``direct`` asks kvikio for ``O_DIRECT`` in compat mode (``auto_direct_io_read``/
+    ``_write``, where supported); ``task_size`` is bytes (None = kvikio's default).
 
     Raises:
         StoreError: kvikio does not import.
@@ -513,8 +460,6 @@ class StoreSpec:
         factory: ``module:function`` returning a :class:`GpuDirectStore`.
         path: pool location ("" = the profile names no store).
         pool_bytes: capacity to open, bytes.
-        options: keyword arguments for the factory.
-        scratch: the suite-owned scratch directory.
         test_devices: paths outside scratch the store may write.
 
     """
@@ -593,12 +538,6 @@ def load_factory(name: str) -> Callable[..., GpuDirectStore]:
 def open_store(spec: StoreSpec) -> GpuDirectStore:
     """Open the store a spec names, refusing paths outside the allowed area.
 
-    Args:
-        spec: the store spec.
-
-    Returns:
-        the open store.
-
     Raises:
         StoreError: no store configured, path outside scratch/test devices, factory
             problems, or the returned object misses part of the protocol.
@@ -643,18 +582,10 @@ def run_store_worker(spec: StoreSpec, op: str, offset: int, nbytes: int, seed: i
                      device: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one write or verify-read in a fresh Python process on the same pool.
 
-    Args:
-        spec: the store spec (the worker opens it itself).
-        op: ``"write"`` (write the pattern) or ``"verify"`` (read and compare).
-        offset: byte offset in the pool.
-        nbytes: bytes to move.
-        seed: pattern seed (see :func:`tvc.store.checks.pattern`).
-        device: ``"cuda"`` or ``"cpu"``: where the worker's tensor lives.
-        timeout_s: seconds before the worker is killed.
-
-    Returns:
-        the worker's JSON answer: ``ok``, ``pid``, and for ``verify`` ``mismatches``
-        and ``first_mismatch`` (pool offset, expected, seen) when any.
+    ``op`` is ``"write"`` (the :func:`tvc.store.checks.pattern` of ``seed``) or
+    ``"verify"``; ``offset``/``nbytes`` in bytes; ``device`` ``"cuda"`` or ``"cpu"``;
+    ``timeout_s`` before the worker is killed. Returns its JSON: ``ok``, ``pid``, and
+    for ``verify`` ``mismatches`` and ``first_mismatch`` (pool offset, expected, seen).
 
     Raises:
         StoreError: the worker failed or timed out (with its stderr tail).

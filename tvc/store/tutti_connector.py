@@ -1,16 +1,11 @@
 """Tutti's ``TuttiConnectorV1``, with the suite's stand-in store registered first.
 
 Point ``kv_connector_module_path`` here (profile ``tutti-public``): vLLM's
-``KVConnectorFactory`` imports this module in every process that builds a
-connector (scheduler, each worker), so the stand-in store type
-(:data:`tvc.store.tutti_standin.STANDIN_TYPE`) is known to Tutti's ``stores.registry``
-before the connector builds its engine. The class is Tutti's own, unchanged
-(imported from ``adapter.connector`` of the checkout on ``PYTHONPATH``).
-
-Tutti's scheduler side builds its store through
-``stores.metadata.create_metadata_store``, which knows only ``memory`` and
-``tutti_nvme``; for the stand-in type it is given Tutti's own
-``MemoryMetadataStore`` (the scheduler keeps residency only, no bytes).
+``KVConnectorFactory`` imports it in every process that builds a connector, so
+:data:`tvc.store.tutti_standin.STANDIN_TYPE` is in Tutti's ``stores.registry`` before
+the engine is built. The class is Tutti's own (``adapter.connector`` on ``PYTHONPATH``).
+Tutti's ``stores.metadata.create_metadata_store`` knows only ``memory`` and
+``tutti_nvme``; the stand-in gets ``MemoryMetadataStore`` (residency only, no bytes).
 """
 
 from __future__ import annotations

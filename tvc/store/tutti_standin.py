@@ -1,34 +1,14 @@
 """The suite's stand-in for a Tutti KV store: device memory, torch copies, CUDA events.
 
-Tutti's engine (xPU-IO/Tutti ``integration/vllm-connector``, 33a8fb8:
-``engine/core.py`` ``KVEngine``) moves each layer's chunk segment between the
-connector's staging ring (``engine/staging.py`` ``RingWindow``: a tensor of
-``len(buffer)`` bytes, CUDA or pinned host memory) and a store implementing its
-``KVStore`` protocol (``stores/base.py``). No public store serves a CUDA worker
-without NVMe: ``MemoryKVStore`` registers buffers through ``memoryview()``,
-which a CUDA tensor cannot give, and has no ``wait_write_event``. This store
-does what the engine asks of a store, in device memory:
-
-* ``register_buffer(buffer, granularity)`` takes a torch tensor on any device
-  (or any writable buffer-protocol object) and returns a buffer id;
-* ``put_batch`` / ``get_batch`` copy ``segment_bytes`` per ``(key, buffer id,
-  offset)`` entry with torch, on the store's write / read CUDA stream (on CPU:
-  at once), between the staging buffer and one pool tensor on the buffer's
-  device (``num_chunks`` chunks x the layer span rows of ``segment_bytes``);
-  the returned completion waits on a CUDA event recorded after the copies;
-* ``wait_write_event(event)`` (and its older name ``wait_event``) makes the
-  write stream wait for the worker's gather event, as the engine does before
-  every put (``KVEngine.store_layer``); ``record_write_event()`` records the
-  write stream's tail for the next wave's staging reuse; ``wait_read_event`` /
-  ``record_read_event`` do the same for reads;
-* ``scan``, ``drop``, ``capacity_chunks``, ``set_key_namespace``,
-  ``set_layer_span``, ``open``, ``close`` as ``stores/base.py`` describes.
-
-The get stream first waits for the current stream (the scatter that last read
-the staging slots), a conservative order a real store may not give; the put
-path is ordered only by the events the engine hands over, as in Tutti's NVMe
-store. Counters (:attr:`StandInKVStore.stats`) let a tier assert that bytes
-moved. Reports name the combination :data:`UNDER_TEST`.
+Tutti's engine (xPU-IO/Tutti ``integration/vllm-connector``, 33a8fb8: ``engine/core.py``
+``KVEngine``) moves layer segments between its staging ring (``engine/staging.py``
+``RingWindow``) and a ``KVStore`` (``stores/base.py``). No public store serves a CUDA
+worker without NVMe (``MemoryKVStore`` needs ``memoryview()`` and lacks
+``wait_write_event``), so this one implements the protocol in device memory:
+``put_batch``/``get_batch`` copy with torch on the store's write/read stream; the put
+path is ordered only by the engine's events (as Tutti's NVMe store), the get stream also
+waits for the current stream (more conservative than a real store may be).
+:attr:`StandInKVStore.stats` counts what moved; reports name :data:`UNDER_TEST`.
 """
 
 from __future__ import annotations
@@ -48,10 +28,8 @@ UNDER_TEST = ("Tutti's connector, worker and transfer kernels with the suite's "
 #: by the connector from the KV cache config)
 OPTIONS = ("num_chunks", "segment_bytes", "order", "busy_us")
 #: ``store.options.order`` values: ``events`` (default) orders a put only by the
-#: events the engine hands over, as Tutti's NVMe store does; ``stream`` also makes
-#: every put wait for the current CUDA stream; ``sync`` synchronizes the device
-#: after each put and get. The last two are diagnostics: a red that stays under
-#: ``sync`` is no ordering race of the store.
+#: engine's events, as Tutti's NVMe store; ``stream`` also waits for the current
+#: stream; ``sync`` syncs the device after each put/get (diagnostics).
 ORDERS = ("events", "stream", "sync")
 #: the most ``store.options.busy_us`` may ask (10 ms per put or get)
 MAX_BUSY_US = 10_000
@@ -90,31 +68,23 @@ class StandInKVStore:
     """Tutti ``KVStore`` in device memory (see the module docstring).
 
     Args:
-        segment_bytes: bytes of one layer's segment of a chunk (positive int;
-            Tutti's connector sets it: ``chunk_kv_bytes // num_layers``).
-        num_chunks: chunks the store holds (positive int,
-            ``store.options.num_chunks``).
-        order: one of :data:`ORDERS` (``store.options.order``, default
-            ``events``).
-        busy_us: microseconds of work (``torch.cuda._sleep``) put on the
-            current CUDA stream before every put and get (``store.options.
-            busy_us``, 0 to :data:`MAX_BUSY_US`, default 0): the stream then
-            runs behind the host as on a loaded GPU, so a connector whose own
-            asynchronous copies race the host (a pinned buffer rewritten
-            before its copy ran) shows it every time instead of now and then.
-            A timing diagnostic; no effect on CPU.
+        segment_bytes: bytes of one layer's segment of a chunk (> 0; Tutti's connector
+            sets ``chunk_kv_bytes // num_layers``).
+        num_chunks: chunks the store holds (> 0, ``store.options.num_chunks``).
+        order: one of :data:`ORDERS` (``store.options.order``, default ``events``).
+        busy_us: microseconds of ``torch.cuda._sleep`` on the current stream before
+            every put and get (0 to :data:`MAX_BUSY_US`), so host/stream races show
+            every time; a timing diagnostic, no effect on CPU.
         **options: any other key is refused.
 
     Raises:
-        StandInStoreError: a non-integer or non-positive size, an unknown
-            ``order`` or an unknown option; the message names
-            ``store.options.<key>``.
+        StandInStoreError: a non-integer or non-positive size, an unknown ``order`` or
+            option; names ``store.options.<key>``.
 
     Attributes:
-        stats: ``puts`` / ``gets`` (segments), ``bytes_written`` /
-            ``bytes_read``, ``unfenced_puts`` (CUDA puts submitted with no
-            ``wait_write_event`` since the previous put: the engine handed no
-            gather event), ``buffers`` (registered; ``device`` of the last).
+        stats: ``puts`` / ``gets`` (segments), ``bytes_written`` / ``bytes_read``,
+            ``unfenced_puts`` (CUDA puts with no ``wait_write_event`` since the previous
+            put), ``buffers`` (registered; ``device`` of the last).
 
     """
 
@@ -200,18 +170,11 @@ class StandInKVStore:
 
     # ---------------------------------------------------------------- buffers
     def register_buffer(self, buffer: Any, granularity: int) -> int | None:
-        """Register a staging buffer; returns its id, or None when refused.
+        """Register a staging buffer; returns its id (from 1), or None when refused.
 
-        Args:
-            buffer: a torch tensor (CUDA or host; viewed as its bytes) or a
-                writable buffer-protocol object.
-            granularity: bytes per transfer; must be a positive integer of at
-                most ``segment_bytes``.
-
-        Returns:
-            the buffer id (from 1), or None for a granularity it cannot serve
-            or a read-only / non-buffer object (the engine then raises).
-
+        ``buffer`` is a torch tensor (CUDA or host, viewed as bytes) or a writable
+        buffer-protocol object; ``granularity`` (bytes per transfer) must be in ``1 ..
+        segment_bytes``. None makes the engine raise.
         """
         import torch
 
@@ -329,8 +292,8 @@ class StandInKVStore:
         """Copy each entry's staging segment into the pool on the write stream.
 
         Raises:
-            ValueError: an unregistered buffer or an offset out of range (the
-                whole batch is checked first).
+            ValueError: an unregistered buffer or an offset out of range (whole batch
+                checked first).
             RuntimeError: more distinct keys than ``num_chunks x layer span``.
 
         """
@@ -369,8 +332,8 @@ class StandInKVStore:
         """Copy each key's segment from the pool into staging on the read stream.
 
         Raises:
-            ValueError: an unknown key, an unregistered buffer or an offset out
-                of range (the whole batch is checked first).
+            ValueError: an unknown key, an unregistered buffer or an offset out of range
+                (whole batch checked first).
 
         """
         import torch

@@ -1,38 +1,15 @@
 """The trace tier's machinery: settings, sizes, the two servers, the replay campaign.
 
-Settings come from, first match wins: the command line, the profile's ``[trace]``
-section, the size's defaults (:data:`SIZES`).
-
-Options:
-
-``--tvc-trace-file PATH``
-    a Mooncake-format JSONL trace (default ``[trace] path``, else
-    ``tvc/data/traces/smoke.jsonl``).
-``--tvc-trace-size smoke|large``
-    ``smoke``: the profile's model (the tiny Llama by default), 64 tokens per hash id
-    (the shipped trace's prompts become 513-960 tokens), outputs capped at 32 tokens.
-    ``large``: a Llama-3-8B-shaped config with ``--load-format dummy`` (random
-    weights, no download), 512 tokens per hash id (4-8k-token prompts), outputs
-    capped at 64, ``--max-model-len 8448 --gpu-memory-utilization 0.6``.
-``--tvc-trace-time-scale X``, ``--tvc-trace-max-duration S``,
-``--tvc-trace-concurrency N``, ``--tvc-trace-max-requests N``
-    override the ``[trace]`` keys of the same names.
-``--tvc-trace-pressure``
-    put the GPU KV cache under pressure (``[trace] pressure = true``): both servers
-    get ``--num-gpu-blocks-override N`` with N = ``[trace] num_gpu_blocks_override``
-    or, when that is 0, :data:`tvc.trace.replay.PRESSURE_FRACTION` of the trace's
-    working
-    set in KV blocks (never below one ``--max-model-len`` request), ``--block-size
-    16`` unless the serve args set one, and ``--max-model-len`` lowered to the
-    longest request; the baseline then recomputes reuse the connector can load.
-    A ``num_gpu_blocks_override`` > 0 applies with or without pressure.
-
-The campaign (:class:`TraceCampaign`, fixture ``trace_campaign``) runs each mode once
-per variant: ``connector`` (the profile's ``--kv-transfer-config``) and ``baseline``
-(the same server without it). One server runs at a time. Before ``interleave`` and
-``stream`` it makes sure ``populate`` ran on that variant and drops the server's local
-prefix cache, so reuse has to come from the connector's store (the baseline
-recomputes). Each run is written to ``<run folder>/trace/<variant>-<mode>.json``.
+Settings: command line, then ``[trace]``, then the size's defaults (:data:`SIZES`):
+``smoke`` (profile model, 64 tokens per hash id, outputs <= 32) or ``large`` (a
+Llama-3-8B-shaped ``--load-format dummy`` config, 512 tokens per hash id, outputs <= 64,
+``--max-model-len 8448 --gpu-memory-utilization 0.6``). Pressure sets
+``--num-gpu-blocks-override`` (``[trace] num_gpu_blocks_override``, else
+:data:`tvc.trace.replay.PRESSURE_FRACTION` of the working set), ``--block-size 16`` and
+a lowered ``--max-model-len``. :class:`TraceCampaign` (fixture ``trace_campaign``) runs
+each mode per variant (``connector``, ``baseline``), one server at a time, populating
+and dropping the local prefix cache before ``interleave``/``stream``; runs go to ``<run
+folder>/trace/<variant>-<mode>.json``. Options: docs/tiers.md, "trace (GPU)".
 """
 
 from __future__ import annotations
@@ -57,8 +34,6 @@ class SizeSpec:
     """Defaults of one trace size.
 
     Attributes:
-        tokens_per_hash_id: tokens per trace hash id.
-        max_output_tokens: cap on ``output_length``.
         serve_args: appended after the profile's ``vllm.serve_args`` (later wins).
         dummy_config: when set, the served model is this HF config with the served
             model's tokenizer, loaded with ``--load-format dummy``.
@@ -110,22 +85,10 @@ SIZES: dict[str, SizeSpec] = {
 class TraceSettings:
     """The trace tier's settings for one run (see the module docstring).
 
-    Attributes:
-        path: the trace file.
-        size: a key of :data:`SIZES`.
-        tokens_per_hash_id: tokens per hash id.
-        time_scale: stream mode time factor.
-        max_duration_s: stream mode bound in seconds (0 = none).
-        concurrency: requests in flight at most.
-        max_requests: first N records (0 = all).
-        max_output_tokens: cap on output tokens.
-        min_ttft_gain: required interleave p50 TTFT gain (0 = report only).
-        request_timeout_s: per-request timeout in seconds.
-        pressure: size the GPU KV cache below the trace's working set.
-        num_gpu_blocks_override: GPU KV blocks for both servers (0 = computed
-            under pressure, vLLM's own sizing otherwise).
-        sources: key -> where its value came from (``cli``, ``profile``, ``size``).
-
+    Zero means none/all/report-only for ``max_duration_s`` (s), ``max_requests`` and
+    ``min_ttft_gain`` (interleave p50); ``num_gpu_blocks_override`` 0 is computed under
+    pressure, else vLLM's sizing. ``sources`` maps key -> ``cli``, ``profile`` or
+    ``size``.
     """
 
     path: Path
@@ -156,14 +119,7 @@ class TraceSettings:
 
 def resolve_settings(profile: Profile, options: dict[str, Any] | None = None
                      ) -> TraceSettings:
-    """Merge command line, profile ``[trace]`` and size defaults.
-
-    Args:
-        profile: the run's profile.
-        options: command-line values by ``[trace]`` key (None = not given).
-
-    Returns:
-        the :class:`TraceSettings`.
+    """Merge command line (``options``, None = not given), profile ``[trace]`` and size.
 
     Raises:
         tr.TraceError: an unknown size or a trace path that is not a file.
@@ -225,15 +181,8 @@ def build_dummy_model(root: Path, tokenizer_from: Path,
                       shape: dict[str, Any] = LLAMA3_8B_SHAPE) -> Path:
     """A model folder with a large config and no weights (``--load-format dummy``).
 
-    Args:
-        root: cache folder (``<profile scratch>/models``).
-        tokenizer_from: a model folder whose tokenizer files (and vocab size) to use.
-        shape: the HF config without ``vocab_size``.
-
-    Returns:
-        ``root/dummy-<layers>l-<hidden>h-v<vocab>``: config.json,
-        generation_config.json (when the source has one) and the tokenizer files.
-
+    Tokenizer files and vocab size come from ``tokenizer_from``; ``shape`` is the HF
+    config without ``vocab_size``. Returns ``root/dummy-<layers>l-<hidden>h-v<vocab>``.
     """
     src_cfg = json.loads((tokenizer_from / "config.json").read_text())
     vocab = int(src_cfg["vocab_size"])
@@ -260,18 +209,10 @@ def build_dummy_model(root: Path, tokenizer_from: Path,
 class TraceCampaign:
     """Runs replay modes against the connector and baseline servers, one at a time.
 
-    Args:
-        profile: the run's profile.
-        settings: the trace settings.
-        model_dir: the served model folder.
-        out_dir: where ``<variant>-<mode>.json`` files go.
-        make_server: ``(model_dir, stem, **overrides) -> VllmServer`` (not
-            started), as :func:`tvc.fixtures.vllm.server_from_profile` with the
-            run's config bound; the campaign passes the variant's
-            ``kv_transfer_config``, the size's serve args and ``whole_gpu``.
-        server_factory: ``(variant) -> VllmServer`` instead (fakes in the
-            self-tests).
-
+    ``make_server`` is ``(model_dir, stem, **overrides) -> VllmServer`` (not started),
+    as :func:`tvc.fixtures.vllm.server_from_profile`; the campaign passes the variant's
+    ``kv_transfer_config``, serve args and ``whole_gpu``. ``server_factory`` is
+    ``(variant) -> VllmServer`` instead (self-test fakes). Results go to ``out_dir``.
     """
 
     def __init__(self, profile: Profile, settings: TraceSettings, model_dir: Path,
@@ -352,10 +293,8 @@ class TraceCampaign:
     def server(self, variant: str) -> Any:
         """The running server of ``variant``.
 
-        A server of the run's server pool (:mod:`tvc.procs.pool`) that does not need a
-        whole GPU keeps the other variant's server up beside it (idle while this
-        one replays), so repeats need no restart; otherwise the other one is
-        stopped first (one trace server on the GPU).
+        A pooled server (:mod:`tvc.procs.pool`) not needing a whole GPU keeps the other
+        variant's up beside it; otherwise the other is stopped first.
         """
         srv = self._servers.get(variant)
         if srv is not None and srv.is_alive():
@@ -386,16 +325,10 @@ class TraceCampaign:
         return srv.client().model
 
     def run(self, variant: str, mode: str) -> dict[str, Any]:
-        """Figures of one mode on one variant (runs it on first call; cached).
+        """Figures of one mode on one variant (run on first call, then cached).
 
-        Args:
-            variant: ``connector`` or ``baseline``.
-            mode: a mode of :data:`tvc.trace.replay.MODES`.
-
-        Returns:
-            :meth:`tvc.trace.replay.RunResult.figures` plus ``trace_settings``; also
-            written to ``<out_dir>/<variant>-<mode>.json``.
-
+        Returns :meth:`tvc.trace.replay.RunResult.figures` plus ``trace_settings``, also
+        written to ``<out_dir>/<variant>-<mode>.json``.
         """
         key = (variant, mode)
         if key in self.results:
@@ -408,10 +341,7 @@ class TraceCampaign:
     def repeat(self, variant: str, mode: str) -> dict[str, Any]:
         """Replay ``mode`` on ``variant`` once more (not cached), for a stable figure.
 
-        Returns:
-            the repeat's figures, also written to
-            ``<out_dir>/<variant>-<mode>-r<N>.json`` and kept in :attr:`repeats`.
-
+        Written to ``<out_dir>/<variant>-<mode>-r<N>.json`` and kept in :attr:`repeats`.
         """
         self.run(variant, mode)
         fig = self._replay(variant, mode)

@@ -18,15 +18,9 @@ SIZE_NAMES = ("smoke", "large")
 def positive(cast: type, zero_ok: bool = False) -> Any:
     """An argparse ``type`` for an option that takes a number above zero.
 
-    Args:
-        cast: ``int`` or ``float``.
-        zero_ok: accept 0 too (``--tvc-trace-time-scale 0``: every request at once).
-
-    Returns:
-        a parser ``str -> cast`` that raises ``argparse.ArgumentTypeError`` (which
-        pytest reports as a usage error naming the option) for a value that is
-        not a ``cast`` or is not above zero (below zero with ``zero_ok``).
-
+    ``cast`` is ``int`` or ``float``; ``zero_ok`` accepts 0 too
+    (``--tvc-trace-time-scale 0``: every request at once). Bad values raise
+    ``argparse.ArgumentTypeError`` (pytest reports a usage error naming the option).
     """
     def parse(value: str) -> Any:
         try:

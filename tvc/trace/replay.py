@@ -1,45 +1,15 @@
 """Trace replay: Mooncake-format traces, prompt synthesis, three replay modes, figures.
 
-Trace format (the public Mooncake format, kvcache-ai/Mooncake ``FAST25-release/traces``;
-the same format AIPerf and Dynamo read): JSON Lines, one request per line::
-
-    {"timestamp": 3052, "input_length": 7234, "output_length": 794,
-     "hash_ids": [0, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]}
-
-``timestamp`` is the arrival time in ms since the first request; ``hash_ids`` holds one
-id per 512-token block of the prompt (the last block may be partial); equal ids mean
-equal blocks (the ids are prefix hashes, so equal leading ids mean a shared prefix).
-
-Prompts are synthesized as token ids (the completions API takes a list of token ids as
-``prompt``): block ``h`` is ``tokens_per_hash_id`` ids drawn from
-``numpy.random.default_rng([seed, h])``, so equal ids give identical blocks in any
-request, run or process, and different ids give different blocks. ``tokens_per_hash_id``
-rescales a trace for a small model: the prompt length becomes
-``input_length * tokens_per_hash_id / 512``, kept inside the request's last block.
-
-Modes (:func:`plan`):
-
-``populate``
-    every distinct prompt of the trace once (first appearance order, no pacing,
-    ``max_tokens = 1``): fills the connector's store. A prompt that is a strict prefix
-    of another is still sent, because some connectors (vLLM's ExampleConnector) match
-    whole prompts only.
-``interleave``
-    every request of the trace, reordered round-robin over prefix groups (requests that
-    share a first block) so reuse of one prefix is interleaved with others; no pacing.
-``stream``
-    every request at its trace timestamp times ``time_scale`` (0.5 = twice as fast),
-    dropping requests later than ``max_duration_s``; an open loop bounded by the
-    worker pool (a saturated pool delays sends; the delay is recorded).
-
-Measurement (:func:`replay`): streaming ``POST /v1/completions`` with bounded
-concurrency (threads, one ``requests.Session`` each). Per request: TTFT (send to the
-first SSE chunk carrying a choice), end-to-end latency (send to ``[DONE]``), TPOT
-(``(e2e - ttft) / (output_tokens - 1)``, only for 2+ output tokens). Per run:
-p50/p90/p99 with ``numpy.percentile(..., method="linear")`` (Hyndman & Fan type 7,
-numpy's default: linear interpolation between closest ranks), request and token
-throughput over the run's wall time, and the ``/metrics`` counter deltas (local and
-external prefix-cache hits).
+Traces are the public Mooncake JSONL format (kvcache-ai/Mooncake
+``FAST25-release/traces``, also read by AIPerf and Dynamo): ``timestamp`` (ms),
+``input_length``, ``output_length``, ``hash_ids`` (one per 512-token block; equal ids =
+equal blocks). Prompts are token ids, block ``h`` drawn from
+``numpy.random.default_rng([seed, h])``. Modes (:func:`plan`): ``populate`` (each
+distinct prompt once, ``max_tokens=1``, strict prefixes too: ExampleConnector matches
+whole prompts only), ``interleave`` (every request, round-robin over prefix groups) and
+``stream`` (at trace time x ``time_scale``). :func:`replay` measures TTFT/TPOT/e2e
+p50/p90/p99 (``numpy.percentile`` linear, Hyndman & Fan type 7) and ``/metrics`` deltas.
+See docs/tiers.md, "trace (GPU)".
 """
 
 from __future__ import annotations
@@ -96,14 +66,11 @@ TRACKED_METRICS = (METRIC_LOCAL_HITS, METRIC_LOCAL_QUERIES, METRIC_EXTERNAL_HITS
 # the GPU prefix cache, the connector (external), or the model (computed)
 TOKEN_SOURCES = (LOCAL_SOURCE_LABEL, EXTERNAL_SOURCE_LABEL, COMPUTE_SOURCE_LABEL)
 # Under pressure the GPU KV cache holds this fraction of the trace's working set
-# (its distinct KV blocks). The interleave mode cycles round-robin over the prefix
-# groups; an LRU cache smaller than a cyclic working set evicts every block before
-# its reuse, so at one half the baseline must recompute almost every reuse the
-# connector can load (the suite's choice; override with num_gpu_blocks_override).
+# (distinct KV blocks): an LRU cache smaller than the interleave mode's cyclic working
+# set evicts every block before reuse (the suite's choice; num_gpu_blocks_override).
 PRESSURE_FRACTION = 0.5
-# Evidence of pressure: the baseline's GPU-cache hits stay below this share of what an
-# unbounded cache would have served in the same run (the suite's choice: at least a
-# tenth of the reuse must have been lost to eviction).
+# Evidence of pressure: baseline GPU-cache hits stay below this share of an unbounded
+# cache's (the suite's choice: at least a tenth of the reuse lost to eviction).
 PRESSURE_EVIDENCE = 0.9
 DEFAULT_BLOCK_SIZE = 16  # vLLM's CUDA default KV block size; pressure pins it
 
@@ -117,10 +84,8 @@ class TraceRecord:
     """One request of a Mooncake-format trace.
 
     Attributes:
-        index: 0-based position in the trace file.
         timestamp_ms: arrival time in ms since the first request.
         input_length: prompt length in tokens (at 512 tokens per hash id).
-        output_length: tokens to generate.
         hash_ids: one id per 512-token block; equal ids mean equal blocks.
 
     """
@@ -133,15 +98,7 @@ class TraceRecord:
 
 
 def parse_record(obj: Any, index: int, where: str = "") -> TraceRecord:
-    """Validate one decoded trace line.
-
-    Args:
-        obj: the decoded JSON value.
-        index: position of the record in the trace.
-        where: ``file:line`` for messages.
-
-    Returns:
-        the :class:`TraceRecord`.
+    """Validate one decoded trace line (``where`` is ``file:line`` for messages).
 
     Raises:
         TraceError: not an object, or a field missing or of the wrong type/sign.
@@ -179,13 +136,7 @@ def parse_record(obj: Any, index: int, where: str = "") -> TraceRecord:
 
 
 def load_trace(path: str | Path) -> list[TraceRecord]:
-    """Read a Mooncake-format JSONL trace.
-
-    Args:
-        path: the ``.jsonl`` file; blank lines are ignored.
-
-    Returns:
-        the records in file order.
+    """Read a Mooncake-format JSONL trace (blank lines ignored), records in file order.
 
     Raises:
         TraceError: unreadable file, invalid JSON or an invalid record (the message
@@ -217,7 +168,7 @@ class PromptSynth:
 
     Attributes:
         tokens_per_hash_id: tokens per block (512 in Mooncake traces; smaller for a
-            small model with a short context).
+            small model).
         token_low: smallest token id used (skips special tokens at the start).
         token_high: one past the largest token id used (at most the vocab size).
         seed: mixes into every block so two suites can use disjoint prompts.
@@ -238,31 +189,16 @@ class PromptSynth:
                              "empty; give token_high <= the model's vocab size")
 
     def block(self, hash_id: int) -> np.ndarray:
-        """The token ids of one block.
-
-        Args:
-            hash_id: the block's hash id (non-negative).
-
-        Returns:
-            int64 array of shape ``(tokens_per_hash_id,)``.
-
-        """
+        """The token ids of one block, int64 of shape ``(tokens_per_hash_id,)``."""
         rng = np.random.default_rng([self.seed, 0x7A11, hash_id])
         return rng.integers(self.token_low, self.token_high,
                             size=self.tokens_per_hash_id, dtype=np.int64)
 
     def prompt_length(self, rec: TraceRecord) -> int:
-        """The record's prompt length at this block size.
+        """The record's prompt length in tokens (>= 1) at this block size.
 
         ``round(input_length * t / 512)``, clamped into the last hash id's block
         (``(k-1)*t + 1 .. k*t`` for ``k`` hash ids) so every hash id contributes.
-
-        Args:
-            rec: the trace record.
-
-        Returns:
-            prompt length in tokens (>= 1).
-
         """
         t = self.tokens_per_hash_id
         n = max(1, round(rec.input_length * t / MOONCAKE_BLOCK_TOKENS))
@@ -272,15 +208,9 @@ class PromptSynth:
         return n
 
     def prompt(self, rec: TraceRecord) -> list[int]:
-        """Token ids of the record's prompt.
+        """Token ids of the record's prompt (``prompt_length(rec)`` of them).
 
-        Args:
-            rec: the trace record. A record without hash ids gets tokens unique to
-                its index (no reuse).
-
-        Returns:
-            list of ``prompt_length(rec)`` token ids.
-
+        A record without hash ids gets tokens unique to its index (no reuse).
         """
         n = self.prompt_length(rec)
         if not rec.hash_ids:
@@ -295,11 +225,8 @@ class PlannedRequest:
     """One request of a replay.
 
     Attributes:
-        record_index: index of the trace record it comes from.
-        prompt: token ids.
-        max_tokens: tokens to generate (``ignore_eos`` makes the server produce all).
-        send_at_s: seconds after the start of the replay to send it (stream mode),
-            or None to send as soon as a worker is free.
+        send_at_s: seconds after the replay's start to send it (stream mode), or None to
+            send as soon as a worker is free.
         group: the prefix group (first hash id, or -1 - index without hash ids).
 
     """
@@ -319,21 +246,12 @@ def plan(records: Sequence[TraceRecord], mode: str, synth: PromptSynth, *,
          max_output_tokens: int = 0, time_scale: float = 1.0,
          max_duration_s: float = 0.0, max_requests: int = 0,
          max_prompt_tokens: int = 0) -> list[PlannedRequest]:
-    """Turn a trace into the requests of one replay mode (see the module docstring).
+    """Turn a trace into the requests of one replay mode, in send order.
 
-    Args:
-        records: the trace.
-        mode: ``populate``, ``interleave`` or ``stream``.
-        synth: the prompt synthesizer.
-        max_output_tokens: cap on ``output_length`` (0 = none); at least 1 is asked.
-        time_scale: stream mode: send time = timestamp * time_scale.
-        max_duration_s: stream mode: drop requests later than this (0 = none).
-        max_requests: use only the first N records of the trace (0 = all).
-        max_prompt_tokens: cut prompts to this many tokens (0 = none), e.g. to fit
-            ``--max-model-len`` minus the output.
-
-    Returns:
-        the planned requests in send order.
+    ``mode`` is ``populate``, ``interleave`` or ``stream``. Zero means "no limit" for
+    ``max_output_tokens`` (at least 1 is asked), ``max_duration_s`` (stream mode: drop
+    later requests), ``max_requests`` (first N records) and ``max_prompt_tokens`` (cut
+    prompts). Stream mode sends at timestamp * ``time_scale``.
 
     Raises:
         TraceError: unknown mode or a negative time scale.
@@ -396,15 +314,11 @@ class RequestResult:
     """What one streamed request measured (times in seconds).
 
     Attributes:
-        record_index: trace record index.
         ok: the server answered 200 and the stream ended with ``[DONE]``.
-        error: the failure, one line, when not ok.
-        prompt_tokens: tokens sent.
         output_tokens: tokens received (usage, else one per chunk).
         start_s: send time since the start of the replay.
         send_lag_s: stream mode: how late the send was against its trace time.
         ttft_s: time to first token (first SSE chunk carrying a choice).
-        e2e_s: end-to-end latency.
         tpot_s: time per output token after the first; None for < 2 tokens.
 
     """
@@ -424,25 +338,13 @@ class RequestResult:
 def stream_completion(session: requests.Session, base_url: str, model: str,
                       prompt: list[int], max_tokens: int, timeout_s: float = 300.0,
                       record_index: int = 0) -> RequestResult:
-    """Send one streaming completion and time it (through :mod:`tvc.procs.client`).
+    """Send one streaming completion and time it.
 
-    The request and the SSE parsing are :func:`tvc.procs.client.stream_completion`'s,
-    the
-    same the e2e tier uses; no logprobs are asked (they would slow the replay).
+    Through :func:`tvc.procs.client.stream_completion`, as the e2e tier.
 
-    Args:
-        session: the HTTP session (one per thread).
-        base_url: server root, e.g. ``http://127.0.0.1:8000``.
-        model: the served model name.
-        prompt: token ids.
-        max_tokens: tokens to generate; ``ignore_eos`` is set so all are produced.
-        timeout_s: connect/read timeout in seconds.
-        record_index: carried into the result.
-
-    Returns:
-        the :class:`RequestResult` (``ok`` False with ``error`` on any failure;
-        this function does not raise for HTTP or stream errors).
-
+    No logprobs are asked (they would slow the replay); ``ignore_eos`` is set.
+    ``timeout_s`` is the connect/read timeout in seconds. Never raises for HTTP or
+    stream errors: the result has ``ok`` False and ``error`` set.
     """
     res = RequestResult(record_index=record_index, prompt_tokens=len(prompt))
     c = client_stream(session, base_url,
@@ -463,14 +365,10 @@ def stream_completion(session: requests.Session, base_url: str, model: str,
 def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
     """Read the tracked prefix-cache counters from ``/metrics``.
 
-    Args:
-        base_url: server root.
-        timeout_s: request timeout in seconds.
-
     Returns:
-        sample name -> value summed over label sets, for :data:`TRACKED_METRICS`;
-        ``vllm:prompt_tokens_by_source_total{source="..."}`` per source as well.
-        Counters the server does not export are absent.
+        sample name -> value summed over label sets, for :data:`TRACKED_METRICS`, plus
+        ``vllm:prompt_tokens_by_source_total{source="..."}`` per source; counters the
+        server does not export are absent.
 
     Raises:
         requests.RequestException: the endpoint is unreachable or not 200.
@@ -501,14 +399,11 @@ def metric_delta(before: Mapping[str, float], after: Mapping[str, float]
 
 
 def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
-    """Percentiles and mean of the given values (None entries are left out).
-
-    Args:
-        values: seconds (or any unit; the output keeps it).
+    """Percentiles and mean of the values (None entries left out; the unit is kept).
 
     Returns:
-        ``{"n", "mean", "min", "max", "p50", "p90", "p99"}``; the figures are None
-        when no value is given. Percentiles per :data:`PERCENTILE_DOC`.
+        ``{"n", "mean", "min", "max", "p50", "p90", "p99"}``; figures None when no value
+        is given. Percentiles per :data:`PERCENTILE_DOC`.
 
     """
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
@@ -529,14 +424,10 @@ class RunResult:
     """One replay of one mode against one server.
 
     Attributes:
-        mode: replay mode.
         variant: ``connector`` or ``baseline`` (server without a connector).
         wall_s: wall time from the first send to the last answer.
-        results: per-request results in send order.
-        metrics_before / metrics_after: the tracked counters (see
-            :func:`scrape_metrics`); empty when ``/metrics`` was unreachable.
-        config: the replay's settings (trace, sizes, concurrency...), for the JSON.
-        notes: one-line remarks (e.g. the local cache reset outcome).
+        metrics_before / metrics_after: the tracked counters; empty when ``/metrics``
+            was unreachable.
 
     """
 
@@ -607,24 +498,10 @@ def _finite(x: float) -> float | None:
 def replay(base_url: str, model: str, planned: Sequence[PlannedRequest], *,
            mode: str, variant: str, concurrency: int = 4, timeout_s: float = 300.0,
            config: Mapping[str, Any] | None = None) -> RunResult:
-    """Send the planned requests with at most ``concurrency`` in flight.
+    """Send the planned requests with at most ``concurrency`` (>= 1) worker threads.
 
-    Requests with ``send_at_s`` (stream mode) are submitted at that time after the
-    start; others as soon as a worker is free. ``/metrics`` is read before and after.
-
-    Args:
-        base_url: server root.
-        model: served model name.
-        planned: from :func:`plan`.
-        mode: the replay mode (for the result).
-        variant: ``connector`` or ``baseline`` (for the result).
-        concurrency: worker threads (>= 1).
-        timeout_s: per-request timeout in seconds.
-        config: settings copied into the result.
-
-    Returns:
-        the :class:`RunResult`.
-
+    Stream-mode requests go at ``send_at_s`` after the start, others as soon as a worker
+    is free; ``/metrics`` is read before and after. ``timeout_s`` is per request (s).
     """
     local = threading.local()
 
@@ -676,21 +553,11 @@ def token_sources(delta: Mapping[str, float], prompt_tokens_sent: int
                   ) -> dict[str, Any]:
     """Where the prompt tokens of a run came from: GPU cache, connector, compute.
 
-    Read from ``vllm:prompt_tokens_by_source`` (per request: local_cache_hit +
-    external_kv_transfer + local_compute = its prompt tokens, vLLM 0.26 and 0.28)
-    when the server exports all three sources; else from the hit counters
-    (``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``) with
-    compute = ``prompt_tokens_sent`` minus both (clamped at 0).
-
-    Args:
-        delta: counter deltas of the run (:func:`metric_delta`).
-        prompt_tokens_sent: prompt tokens of every request sent.
-
-    Returns:
-        ``{"method", "total_tokens", "tokens": {source: n}, "fractions": {source:
-        n / total or None}}`` with sources :data:`TOKEN_SOURCES`; the fractions
-        sum to 1 whenever total > 0.
-
+    From ``vllm:prompt_tokens_by_source`` (local_cache_hit + external_kv_transfer +
+    local_compute = prompt tokens, vLLM 0.26 and 0.28) when all three are exported; else
+    the hit counters, compute = ``prompt_tokens_sent`` minus both (clamped at 0).
+    Returns ``{"method", "total_tokens", "tokens", "fractions"}`` over
+    :data:`TOKEN_SOURCES`; fractions sum to 1 when total > 0.
     """
     keys = {src: source_metric_key(src) for src in TOKEN_SOURCES}
     if all(k in delta for k in keys.values()):
@@ -714,8 +581,8 @@ def throughput_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
     """Throughput of the connector run over the baseline's (> 1: the connector wins).
 
     Returns:
-        ``{"requests_per_s": ratio, "output_tokens_per_s": ratio}``; None where a
-        figure is missing or zero.
+        ``{"requests_per_s": ratio, "output_tokens_per_s": ratio}``; None where a figure
+        is missing or zero.
 
     """
     out: dict[str, float | None] = {}
@@ -729,17 +596,8 @@ def throughput_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
 def working_set_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int:
     """Distinct KV blocks the prompts need, counting shared prefixes once.
 
-    A block is identified as vLLM's prefix cache does: by its tokens and the
-    identity of every block before it (a hash chain), so two prompts share a block
-    only when they share the whole prefix up to its end. The last, partial block of
-    a prompt counts too (its KV needs a block even if it is never cached).
-
-    Args:
-        prompts: token-id prompts (distinct or not).
-        block_size: tokens per KV block (B).
-
-    Returns:
-        the number of distinct blocks.
+    Blocks are identified as vLLM's prefix cache does (tokens + hash chain of the blocks
+    before); a prompt's last partial block counts too.
 
     Raises:
         ValueError: ``block_size`` < 1.
@@ -759,18 +617,8 @@ def working_set_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int
 def ideal_local_hits(prompts: Iterable[Sequence[int]], block_size: int) -> int:
     """GPU prefix-cache hit tokens an unbounded cache would serve, prompts in order.
 
-    As vLLM's prefix cache counts them: per prompt, the longest prefix of full
-    blocks already seen in an earlier prompt (hash chain, see
-    :func:`working_set_blocks`), at most ``(len - 1) // B`` blocks (vLLM always
-    recomputes the last prompt token), times B.
-
-    Args:
-        prompts: the prompts in send order.
-        block_size: tokens per KV block (B).
-
-    Returns:
-        hit tokens.
-
+    Per prompt: the longest prefix of full blocks seen in an earlier prompt, at most
+    ``(len - 1) // B`` blocks (vLLM always recomputes the last prompt token), times B.
     """
     seen: set[int] = set()
     hits = 0
@@ -793,23 +641,11 @@ def pressure_plan(prompts: Sequence[Sequence[int]], block_size: int,
                   override: int = 0) -> dict[str, Any]:
     """Size the GPU KV cache below the trace's working set.
 
-    ``num_gpu_blocks = max(floor, ceil(fraction x working set))`` where ``floor =
-    ceil(max_model_len / B) + 1``: vLLM refuses to start when the cache cannot hold
-    one request of ``--max-model-len`` tokens (``_check_enough_kv_cache_memory`` in
-    vllm/v1/core/kv_cache_utils.py, 0.26 and 0.28, applied after
-    ``num_gpu_blocks_override``). An explicit ``override`` > 0 wins.
-
-    Args:
-        prompts: the trace's distinct prompts (token ids).
-        block_size: tokens per KV block.
-        max_model_len: the servers' ``--max-model-len``.
-        fraction: share of the working set the cache may hold (0 < f < 1).
-        override: ``[trace] num_gpu_blocks_override`` (0 = compute).
-
-    Returns:
-        ``{"working_set_blocks", "floor_blocks", "num_gpu_blocks", "fraction",
-        "block_size", "source", "under_pressure"}``; ``under_pressure`` is False
-        when the cache still holds the whole working set.
+    ``num_gpu_blocks = max(ceil(max_model_len / B) + 1, ceil(fraction x working set))``;
+    vLLM refuses to start when the cache cannot hold one ``--max-model-len`` request
+    (``_check_enough_kv_cache_memory``, vllm/v1/core/kv_cache_utils.py, 0.26 and 0.28,
+    applied after ``num_gpu_blocks_override``). An ``override`` > 0 wins. The result's
+    ``under_pressure`` is False when the cache still holds the whole working set.
 
     Raises:
         ValueError: a fraction outside (0, 1) or a non-positive block size.
@@ -834,14 +670,10 @@ def ttft_gain(baseline: Mapping[str, Any], connector: Mapping[str, Any]
               ) -> dict[str, float | None]:
     """TTFT gain of the connector over the baseline, per percentile.
 
-    Args:
-        baseline: :meth:`RunResult.figures` of the run without a connector.
-        connector: the same mode's figures with the connector.
-
     Returns:
-        ``{"p50": ratio, ...}`` with ratio = baseline TTFT / connector TTFT
-        (> 1 means the connector answers sooner), and ``"p50_reduction_pct"`` etc.
-        (100 * (1 - connector/baseline)); None where a figure is missing or zero.
+        ``{"p50": baseline/connector TTFT, ...}`` (> 1: the connector is faster) and
+        ``"p50_reduction_pct"`` etc. (100 * (1 - connector/baseline)); None where a
+        figure is missing or zero.
 
     """
     out: dict[str, float | None] = {}
@@ -925,14 +757,9 @@ def check_no_external_hits(fig: Mapping[str, Any]) -> None:
 def check_pressure(baseline: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
     """Under GPU cache pressure the connector served prompt tokens the GPU lost.
 
-    Compares the same mode of both variants: the connector must have served some
-    tokens; the baseline's GPU-cache hits must stay below
-    :data:`PRESSURE_EVIDENCE` of what an unbounded cache would have served
-    (``config.ideal_local_hit_tokens``, :func:`ideal_local_hits`, when the run
-    recorded it); and the share of prompt tokens not computed (GPU prefix cache +
-    connector) must be larger with the connector than the baseline's. Otherwise the
-    "pressure" pushed nothing out of the GPU cache, and the TTFT gain says nothing
-    about the store.
+    Same mode of both variants: the connector served tokens; the baseline's GPU hits
+    stay below :data:`PRESSURE_EVIDENCE` of :func:`ideal_local_hits` (when recorded);
+    and the connector run computed a smaller share of prompt tokens.
 
     Raises:
         AssertionError: it does not hold (the message says which part and why).
@@ -985,23 +812,11 @@ def generate_trace(seed: int = 0, n_requests: int = 40, n_docs: int = 5,
                    output_tokens: tuple[int, int] = (16, 128)) -> list[dict[str, Any]]:
     """Generate a Mooncake-format trace with shared prefixes, from a seed.
 
-    ``n_docs`` documents each own a prefix of ``prefix_blocks`` 512-token blocks.
-    Each request picks a document (weights 1/(rank+1)) and, with ``repeat_prob`` and
-    when the document has been asked before, repeats an earlier request of that
-    document exactly; otherwise it asks a new question: the document's prefix plus
-    ``question_blocks`` new blocks, the last one partial. Arrivals are Poisson at
-    ``rate_per_s``. Only ``random.Random.random`` is used, so the output is the same
-    on every Python 3 version.
-
-    Args:
-        seed: the random seed.
-        n_requests: records to produce.
-        n_docs: distinct shared prefixes.
-        rate_per_s: mean arrival rate (requests per second).
-        repeat_prob: chance that a request repeats an earlier one exactly.
-        prefix_blocks: inclusive range of prefix length in blocks.
-        question_blocks: inclusive range of new blocks per question.
-        output_tokens: inclusive range of ``output_length``.
+    ``n_docs`` documents own a prefix of ``prefix_blocks`` 512-token blocks; requests
+    pick a document (weights 1/(rank+1)), repeat an earlier one with ``repeat_prob``,
+    else add ``question_blocks`` new blocks; Poisson arrivals at ``rate_per_s``
+    (requests/s). Only ``random.Random.random`` is used, so output is stable across
+    Python 3 versions. Ranges are inclusive ``(low, high)`` tuples.
 
     Returns:
         the records as dicts in Mooncake key order.
@@ -1080,23 +895,14 @@ def ttft_gain_interval(baseline_runs: Sequence[Mapping[str, Any]],
                        connector_runs: Sequence[Mapping[str, Any]], seed: int = 0,
                        resamples: int = BOOTSTRAP_RESAMPLES,
                        confidence: float = GAIN_CONFIDENCE) -> dict[str, Any]:
-    """The p50 TTFT gain (baseline / connector) with a bootstrap interval.
+    """The p50 TTFT gain (baseline / connector) with a paired bootstrap interval.
 
-    The same trace records are replayed on both variants (and on each repeat), so
-    the requests are paired by (repeat, record index) and resampled together: one
-    resample draws n pairs with replacement and takes median(baseline TTFT) /
-    median(connector TTFT). Unpaired requests (failed on one side) are left out.
-
-    Args:
-        baseline_runs: :meth:`RunResult.figures` of the baseline, one per repeat.
-        connector_runs: the connector's, in the same order.
-        seed: the numpy generator's seed (the run's seed: reproducible).
-        resamples: bootstrap resamples.
-        confidence: two-sided level of the percentile interval.
+    Requests are paired by (repeat, record index) and resampled together; unpaired
+    (failed on one side) ones are left out. ``confidence`` is two-sided.
 
     Returns:
-        ``{"p50", "low", "high", "confidence", "n", "repeats", "resamples",
-        "seed", "method"}``; ``p50``/``low``/``high`` None when no pair exists.
+        ``{"p50", "low", "high", "confidence", "n", "repeats", "resamples", "seed",
+        "method"}``; ``p50``/``low``/``high`` None when no pair exists.
 
     """
     b, c = _ttfts(baseline_runs), _ttfts(connector_runs)
@@ -1131,13 +937,11 @@ def gain_verdict(interval: Mapping[str, Any], need: float,
                  min_sample: int = MIN_GAIN_SAMPLE) -> tuple[str, str]:
     """Whether the TTFT gain's interval clears ``need``.
 
-    The threshold applies to the interval's lower bound: ``pass`` when low >=
-    need; ``fail`` when high < need (the gain is below it); ``undecided`` when
-    the interval straddles it; ``too_small`` with fewer than ``min_sample`` paired
-    requests (or no interval).
+    ``pass`` when low >= need, ``fail`` when high < need, ``undecided`` when it
+    straddles, ``too_small`` with fewer than ``min_sample`` pairs (or no interval).
 
     Returns:
-        (verdict, sentence): the sentence states the figures.
+        (verdict, sentence stating the figures).
 
     """
     n, lo, hi, p50 = (interval.get(k) for k in ("n", "low", "high", "p50"))
@@ -1168,15 +972,13 @@ def _union_s(spans: Iterable[tuple[float, float]]) -> float:
 def kv_load_rate(fig: Mapping[str, Any], bytes_per_token: int) -> dict[str, Any]:
     """The connector's effective KV load rate over one run (a lower bound).
 
-    Bytes loaded = the run's ``external_kv_transfer`` prompt tokens (the
-    by-source counters, :func:`token_sources`) x the model's KV bytes per token;
-    seconds of load = the wall time during which at least one request waited for
-    its first token (the union of ``[start, start + TTFT]``), which holds every
-    load and also prefill and queueing, so the rate is a lower bound.
+    Bytes = ``external_kv_transfer`` tokens (:func:`token_sources`) x KV bytes per
+    token; seconds = union of ``[start, start + TTFT]`` (also holds prefill and
+    queueing).
 
     Returns:
-        ``{"loaded_tokens", "loaded_bytes", "load_window_s", "gbps", "method"}``
-        (GB/s = 1e9 B/s; ``gbps`` None when nothing was loaded).
+        ``{"loaded_tokens", "loaded_bytes", "load_window_s", "gbps", "method"}`` (GB/s =
+        1e9 B/s; ``gbps`` None when nothing was loaded).
 
     """
     tokens = float((fig.get("token_sources") or {}).get("tokens", {}).get(

@@ -156,6 +156,23 @@ def test_lmcache_prompt_embeds_typeerror_is_a_finding() -> None:
     assert [f["key"] for f in got] == ["lmcache-prompt-embeds-typeerror"], got
 
 
+def test_tutti_prompt_embeds_typeerror_is_its_own_finding() -> None:
+    # the message of the current tree's CPU run (2026-12-05); LMCache's finding
+    # of the same shape is another connector's
+    node = ("suites/contract/test_exploration.py::test_contract_holds_over_explored_"
+            "event_sequences[tenants]")
+    msg = ("exploration: invariant 'no exception escapes an engine step' broken: "
+           "engine step 1 (schedule (scheduler-side connector)) raised TypeError: "
+           "'NoneType' object is not iterable inside "
+           "TuttiConnectorV1.build_connector_meta (/x/tutti/integration/vllm/"
+           "connector.py:453)")
+    got = findings([_t(node, msg)], PROFILE, versions={"vllm": "0.28.0"})
+    assert [f["key"] for f in got] == ["tutti-prompt-embeds-typeerror"], got
+    got = findings([_t(node, msg)], LMCACHE,
+                   versions={"vllm": "0.28.0", "lmcache": "0.5.6"})
+    assert [f["key"] for f in got] == ["test"], got
+
+
 def test_one_defect_seen_by_several_tests_is_one_finding() -> None:
     tests = [_t(f"suites/contract/test_worker_roundtrip.py::t[B16-H2-D{d}-cuda]",
                 _rank4(f"(64, 2, 16, {2 * d})")) for d in (64, 128)]

@@ -226,6 +226,20 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "'staging 环窗被 store 拒收' (memoryview of a CUDA tensor)",
         _T + "stores/memory.py register_buffer, engine/core.py KVEngine.bind"),
     KnownDefect(
+        "tutti-prompt-embeds-typeerror",
+        "a prompt-embeddings request (no prompt token ids) makes Tutti's "
+        "build_connector_meta raise TypeError out of the scheduler step",
+        r"",
+        r"raised TypeError: 'NoneType' object is not iterable inside "
+        r"TuttiConnectorV1\.build_connector_meta",
+        "CPU, vLLM 0.28.0, Tutti's current tree (scheduler side rebuilt from the "
+        "stored files): the exploration's tenants family, engine step 1 of an "
+        "embeddings-only request",
+        "xPU-IO/Tutti 218f667 tutti/integration/vllm/connector.py L453 "
+        "build_connector_meta (list(new_req.prompt_token_ids); vLLM 0.28.0 "
+        "v1/core/sched/output.py L37 types it list[int] | None, None for "
+        "prompt_embeds)"),
+    KnownDefect(
         "lmcache-packed-kv-corruption",
         "LMCache's in-process connector loads wrong KV on vLLM 0.26's packed K/V "
         "layout (per-layer (N, H, B, 2D) tensors): the hit is served, silently "
@@ -374,8 +388,8 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "
         "LMCache's build_connector_meta raise TypeError out of the scheduler step",
         r"",
-        r"TypeError.*build_connector_meta|build_connector_meta.*TypeError"
-        r"|raised TypeError.*(NoneType|object of type)",
+        r"TypeError.*LMCache\w*\.build_connector_meta"
+        r"|LMCache\w*\.build_connector_meta.*TypeError",
         "CPU, vLLM 0.28.0 and 0.33.0, lmcache 0.5.6 (reproduced 2026-12-04): the "
         "exploration's tenants family, engine step 1 of an embeddings-only "
         "request: replay_explorer('lmcache', family='tenants', policy='recompute')"

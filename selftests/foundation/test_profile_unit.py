@@ -415,8 +415,10 @@ def test_every_unknown_key_is_named_in_one_message(tmp_path: Path) -> None:
     with pytest.raises(ProfileError) as info:
         load(str(child), env={})
     message = str(info.value)
-    assert message.startswith(f"{child}: unknown keys connector.kv_rol, connector."
-                              "modul, e2e.max_tokenz (allowed: in connector: name, ")
+    assert message.startswith(
+        f"{child}: unknown keys connector.kv_rol (did you mean kv_role?), connector."
+        "modul (did you mean module_path?), e2e.max_tokenz (allowed: in connector: "
+        "name, "), message
     assert "\n" not in message and message.count("typos.toml") == 1
     # wrong types too: the file once, the count, the unknown keys last (the
     # 400-character cut falls on their allowed lists)
@@ -428,7 +430,8 @@ def test_every_unknown_key_is_named_in_one_message(tmp_path: Path) -> None:
     assert message.startswith(
         f"{child}: 3 problems: key connector.persistent_store: expected true/false, "
         "got str 'yes'; key connector.worker_devices: expected a list of strings, "
-        "got str 'cpu'; unknown key connector.nmae (allowed: name, "), message
+        "got str 'cpu'; unknown key connector.nmae (did you mean name?) (allowed: "
+        "name, "), message
 
 
 # ---------------------------------------------------------------------- kv_transfer

@@ -428,8 +428,9 @@ def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]
     folder), ``.``/``..`` folded. ``form`` is :func:`store_path_form`'s.
 
     Returns:
-        ``(absolute normalised path, the string the connector receives)``: the path, or
-        ``file://<path>`` for a URL.
+        ``(absolute normalised path, the string the connector receives)``: the plain
+        path, a URL's too (ExampleConnector took ``file:///x`` as a relative folder
+        ``./file:/x`` in the working folder; LMCache's ``local_disk`` takes both).
 
     Raises:
         Refusal: a NUL byte, a URL of another host, with a query, fragment or %-escape,
@@ -469,7 +470,7 @@ def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]
             len(part) > MAX_PATH_PART_CHARS for part in norm.split("/")):
         raise Refusal(f"{shorten(value)} is longer than a path can be "
                       f"({MAX_PATH_CHARS} characters, {MAX_PATH_PART_CHARS} per name)")
-    return Path(norm), (run_store.FILE_URL + norm if form == "url" else norm)
+    return Path(norm), norm
 
 
 def store_base(value: str | Path) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import difflib
 import fnmatch
 import importlib.metadata
 import math
@@ -543,7 +544,8 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
             if file not in unknown:
                 parts.append(file)
             keys, allowed = unknown.setdefault(file, ([], {}))
-            keys.append(f"{table}.{key_name(str(loc[depth]))}")
+            keys.append(f"{table}.{key_name(str(loc[depth]))}"
+                        f"{_did_you_mean(str(loc[depth]), model)}")
             allowed[table] = ", ".join(model.model_fields if model else ())
             continue
         text = _describe(error, loc, full)
@@ -623,6 +625,14 @@ _WANT = {str: "a string", int: "an integer", float: "a number", bool: "true/fals
          "list[dict]": "a list of tables", "dict": "a table"}
 
 
+def _did_you_mean(name: str, model: Any) -> str:
+    """`` (did you mean X?)`` for a misspelt key of ``model``, else ``""``."""
+    names = list(model.model_fields if model else ())
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75) or [
+        k for k in names if len(name) >= 4 and k.startswith(name)][:1]
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _describe(error: Mapping[str, Any], loc: tuple[Any, ...], data: Any) -> str:
     """One pydantic error as ``key X: what is wrong; what is allowed``."""
     kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
@@ -638,8 +648,8 @@ def _describe(error: Mapping[str, Any], loc: tuple[Any, ...], data: Any) -> str:
                     "table") if home else ""
             return (f"unknown section [{unknown}] (allowed: "
                     f"{', '.join(schema.SECTIONS)}, [[known_failures]]){hint}")
-        return (f"unknown key {key}.{unknown} (allowed: "
-                f"{', '.join(model.model_fields if model else ())})")
+        return (f"unknown key {key}.{unknown}{_did_you_mean(str(loc[depth]), model)}"
+                f" (allowed: {', '.join(model.model_fields if model else ())})")
     if kind == "missing":
         required = [k for k, f in model.model_fields.items() if f.is_required()] if (
             model is not None and depth == len(loc)) else []

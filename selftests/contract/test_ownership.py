@@ -382,6 +382,41 @@ def test_file_injector_damages_only_files_it_saw_written(tmp_path: Path) -> None
     assert not (root / "c.bin").exists()  # seen and unchanged: lost
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32",
+                                   "float8_e4m3fn"])
+def test_a_file_holding_no_kv_of_the_harness_is_never_an_entry(
+        tmp_path: Path, dtype: str) -> None:
+    """Another writer's file written once during the connector's step, beside its
+    entries (never-harm probe: a writer rewriting every 0.2 s lost 8 files to
+    'lose'): only files that hold the harness's KV are entries."""
+    import torch
+
+    from tvc.contract.faults import carries_harness_kv
+    from tvc.contract.worker import pattern_values
+
+    root = run_store.make_owned_dir(tmp_path / "store")
+    inj = FileStoreInjector(root)
+    mark = inj.mark()
+    kv = torch.zeros(4, 2, 16, 128, dtype=getattr(torch, dtype))  # (N, H, B, 2D)
+    vals = pattern_values(kv, 1, torch.arange(16, 32), torch.arange(500, 516))
+    entry = root / "9f3a" / "model.layers.1.self_attn.attn.safetensors"
+    entry.parent.mkdir()
+    # an odd-length header: the KV starts off the dtype's alignment
+    entry.write_bytes(b"{hdr}" + vals[:, 1].contiguous().view(torch.uint8)
+                      .numpy().tobytes())
+    theirs = {root / "zz-writer-a.bin": os.urandom(4096),
+              root / "9f3a" / "zz-writer-b.bin": b"folder/name/3:" * 300,
+              root / "zz-writer-c.bin": bytes(range(256)) * 16}
+    for path, data in theirs.items():
+        path.write_bytes(data)
+    assert inj.entries_since(mark) == [entry]
+    assert sorted(inj.not_kv) == sorted(theirs)
+    inj.lose([entry, *theirs])
+    assert not entry.exists()  # the premise: the fault was made
+    assert all(p.read_bytes() == d for p, d in theirs.items())
+    assert not carries_harness_kv(root / "zz-writer-a.bin")
+
+
 def test_file_injector_stops_at_a_live_writer_and_the_session_keeps_its_files(
         tmp_path: Path) -> None:
     scratch = run_store.make_owned_dir(tmp_path / "scratch")

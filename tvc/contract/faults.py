@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import os
 import stat
@@ -485,6 +486,55 @@ class ForeignWriter(Exception):  # noqa: N818 - reads as what was found
 Identity = run_store.Identity
 
 
+PATTERN_RUN = 8  # consecutive KV values of one token that identify the harness's KV
+SCAN_BYTES = 256 * 1024  # bytes of a file searched for them (KV comes early)
+
+
+@functools.cache
+def _pattern_needles() -> dict[int, frozenset[bytes]]:
+    """Every run of :data:`PATTERN_RUN` harness KV values, as bytes, by run length.
+
+    Along a token's KV the harness's values go up by ``PATTERN_STEP`` modulo
+    ``PATTERN_MOD`` (:func:`tvc.contract.worker.pattern_values`), so 251 runs per
+    dtype cover every layer, position, token, head and layout.
+    """
+    import torch
+
+    from tvc.contract.worker import PATTERN_LOW, PATTERN_MOD, PATTERN_STEP
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32,
+              *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2")
+                if hasattr(torch, n))]
+    out: dict[int, set[bytes]] = {}
+    for c in range(PATTERN_MOD):
+        vals = torch.tensor([(c + PATTERN_STEP * k) % PATTERN_MOD + PATTERN_LOW
+                             for k in range(PATTERN_RUN)], dtype=torch.float32)
+        for dt in dtypes:
+            raw = vals.to(dt).view(torch.uint8).numpy().tobytes()
+            if len(set(raw)) > PATTERN_RUN // 2:  # fp8 rounding may flatten a run
+                out.setdefault(len(raw), set()).add(raw)
+    return {n: frozenset(v) for n, v in out.items()}
+
+
+def carries_harness_kv(path: Path) -> bool:
+    """Whether a file holds KV the worker harness computed (any dtype, any layout).
+
+    A connector's entry stores the KV it was handed; another program's file holds
+    none. Reads at most :data:`SCAN_BYTES`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(SCAN_BYTES)
+    except OSError:
+        return False
+    for n, needles in _pattern_needles().items():
+        for i in range(len(data) - n + 1):
+            if data[i:i + n] in needles:
+                return True
+    return False
+
+
 class FileStoreInjector:
     """Damages a file-based store (files under one directory), between steps.
 
@@ -493,9 +543,10 @@ class FileStoreInjector:
     ``RLIMIT_FSIZE`` to :data:`FAILED_WRITE_LIMIT` bytes around ``save_kv_layer``
     / ``wait_for_save`` (CPython ignores ``SIGXFSZ``: the write returns
     ``EFBIG``, even as root). Only files the connector wrote in this run, in a
-    folder this run made, are touched; see docs/safety.md ("Store fault
-    injection"). ``refused`` lists entries left alone because they changed after
-    being recorded.
+    folder this run made, are touched: of the files a step wrote, those holding the
+    harness's KV (:func:`carries_harness_kv`) where any does; see docs/safety.md
+    ("Store fault injection"). ``refused`` lists entries left alone because they
+    changed after being recorded, ``not_kv`` new files that hold no KV.
 
     Raises:
         FaultConfigError: ``root`` is in no folder this run created.
@@ -518,6 +569,7 @@ class FileStoreInjector:
                 "wrote in the suite's own folders of this run")
         self._seen: dict[Path, Identity] = {}
         self.refused: list[Path] = []
+        self.not_kv: list[Path] = []  # new files left alone: they hold no KV
         self.foreign: ForeignWriter | None = None
 
     def mark(self) -> dict[Path, Identity]:
@@ -570,6 +622,14 @@ class FileStoreInjector:
                 run_store.note_foreign_writer(self.root, p)
                 raise self.foreign
         new = sorted(p for p in now if p not in mark)
+        # a file that appeared beside the connector's entries but holds none of the
+        # harness's KV is another writer's (or an index): never damaged. A store
+        # whose entries hold no recognisable KV (compressed, encrypted) keeps the
+        # time-based attribution above.
+        kv = [p for p in new if carries_harness_kv(p)]
+        if kv:
+            self.not_kv.extend(p for p in new if p not in kv)
+            new = kv
         for p in new:
             self._seen[p] = now[p]
         return new

@@ -73,6 +73,9 @@ def set_token_slots(kv: Any, block_ids: Any, offsets: Any, values: Any) -> None:
         kv[:, block_ids, offsets] = values
 
 
+PATTERN_MOD, PATTERN_STEP, PATTERN_LOW = 251, 31, -125  # pattern_values' arithmetic
+
+
 def pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
     """Known KV pattern for tokens: integers in [-125, 125], exact in fp16/bf16.
 
@@ -90,8 +93,8 @@ def pattern_values(kv: Any, layer_idx: int, positions: Any, tokens: Any) -> Any:
     elems = int(torch.tensor(per_tok).prod()) * (2 if kv.dim() == 5 else 1)
     base = (positions.to(kv.device) * 7919 + tokens.to(kv.device) * 104729
             + layer_idx * 1000003)
-    inner = torch.arange(elems, device=kv.device) * 31
-    vals = ((base[:, None] + inner[None, :]) % 251 - 125).to(kv.dtype)
+    inner = torch.arange(elems, device=kv.device) * PATTERN_STEP
+    vals = ((base[:, None] + inner[None, :]) % PATTERN_MOD + PATTERN_LOW).to(kv.dtype)
     if kv.dim() == 4:
         return vals.view(n, *per_tok)
     return vals.view(n, 2, *per_tok).transpose(0, 1)

@@ -683,6 +683,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     run = node.config.stash[_RUN]
     if error is not None and "keyboard-interrupt" not in str(error):
         run["dead_workers"] = run.get("dead_workers", 0) + 1  # crashed or killed
+    elif error is not None:  # Ctrl-C reached the worker: its test in flight is not run
+        run_control.note_stop(signal.SIGINT)
     if out.get(_DESELECTED_KEY) and not run["deselected"]:
         run["deselected"] = list(out[_DESELECTED_KEY])
         run["variant_lines"] = list(out.get(_VARIANTS_KEY, []))

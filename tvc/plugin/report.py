@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import signal
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -28,6 +29,7 @@ import pytest
 
 from tvc.config.paths import reports_root
 from tvc.core.files import read_json, write_file
+from tvc.plugin import run_control
 from tvc.plugin.findings import findings, pytest_command
 from tvc.report.live import LiveReds
 from tvc.report.outcome import OUTCOME_BY_EXIT, headline, outcome_reason, verdict
@@ -175,7 +177,10 @@ class RunReport:
                 entry["missing_hardware"] = value
             else:
                 entry["properties"][name] = value
-        if report.failed:
+        if getattr(report, "tvc_not_run", False):
+            entry["outcome"] = "not_run"
+            entry["message"] = _short(report)
+        elif report.failed:
             if entry["outcome"] not in ("failed", "error"):
                 entry["outcome"] = "failed" if report.when == "call" else "error"
                 entry["message"] = _short(report)
@@ -191,6 +196,24 @@ class RunReport:
             entry["message"] = _short(report)
         elif report.when == "call" and entry["outcome"] == "not_run":
             entry["outcome"] = "passed"
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: pytest.TestReport,
+                               sched: Any) -> None:
+        """A test running on a worker when a signal stopped the run: not run.
+
+        pytest counts it skipped; it is never a red (a worker that crashed on its
+        own, with no signal, stays one).
+        """
+        signum = run_control.stopped_by()
+        if signum is None:
+            return  # a worker that crashed on its own: a red
+        why = ("running when the run was "
+               f"{'interrupted' if signum == signal.SIGINT else 'terminated'} "
+               f"({signal.Signals(signum).name}): it never finished")
+        report.outcome = "skipped"
+        report.longrepr = (crashitem.split("::")[0], 0, f"Skipped: {why}")
+        report.tvc_not_run = True  # type: ignore[attr-defined]
 
     def _rerun(self, entry: dict[str, Any]) -> str:
         """The command that reruns one test (as the findings say it)."""

@@ -402,11 +402,29 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # CI runners, Kubernetes,
 #   a closed terminal: stopped like Ctrl-C, reported as run.outcome "terminated"
 
 
+_STOPPED_BY: list[int] = []  # signals that stopped this process's run, in order
+
+
+def stopped_by() -> int | None:
+    """The first SIGINT, SIGTERM or SIGHUP this process's run got, else None."""
+    return _STOPPED_BY[0] if _STOPPED_BY else None
+
+
+def note_stop(signum: int) -> None:
+    """Record a stop seen elsewhere: an xdist worker ended by Ctrl-C.
+
+    The controller may ignore SIGINT, as a shell's background job does.
+    """
+    _STOPPED_BY.append(signum)
+
+
 class TerminateLikeInterrupt:
     """SIGTERM and SIGHUP stop the run the way Ctrl-C does; ``signum`` keeps which.
 
     While installed, either raises ``KeyboardInterrupt`` in the main thread, so fixtures
-    tear down and reports are written. A handler someone else set is left alone.
+    tear down and reports are written; Ctrl-C does what Python's handler does and is
+    recorded too (:func:`stopped_by`: an xdist worker lost to the stop is no red). A
+    handler someone else set is left alone.
     """
 
     def __init__(self) -> None:
@@ -416,15 +434,24 @@ class TerminateLikeInterrupt:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+        _STOPPED_BY.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    @staticmethod
+    def _ctrl_c(signum: int, frame: FrameType | None) -> None:
+        _STOPPED_BY.append(signum)
+        signal.default_int_handler(signum, frame)
 
     def install(self) -> bool:
         """Install the handlers (main thread, default handlers only); True if any."""
         if threading.current_thread() is not threading.main_thread():
             return False
+        _STOPPED_BY.clear()
         for sig in TERMINATING_SIGNALS:
             if signal.getsignal(sig) is signal.SIG_DFL:
                 self._old[sig] = signal.signal(sig, self._handler)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._ctrl_c)
         return bool(self._old)
 
     def restore(self) -> None:

@@ -212,3 +212,22 @@ def test_the_plugin_knows_the_property_the_contract_tier_records_coverage_in(
     from tvc.plugin.hooks import COVERAGE_PROPERTY
 
     assert COVERAGE_PROPERTY == PROPERTY
+
+
+def test_the_inventory_thread_runs_only_beside_xdist_workers() -> None:
+    """``ast.parse`` on two threads at once fails in CPython 3.11 ("AST constructor
+    recursion depth mismatch"): a test's traceback or hypothesis parsing on the main
+    thread while the inventory thread imported vLLM (torch's ``_overload`` parses
+    source) broke an exploration self-test, 2 of 3 runs on a loaded box. The thread
+    runs only on an xdist controller, where no test runs."""
+    from types import SimpleNamespace
+
+    from tvc.plugin.hooks import inventory_beside_run
+
+    def cfg(**option):
+        return SimpleNamespace(option=SimpleNamespace(**option))
+
+    assert inventory_beside_run(cfg(numprocesses=2, dist="load"))
+    assert not inventory_beside_run(cfg(numprocesses=0, dist="no"))
+    assert not inventory_beside_run(cfg())  # -p no:xdist: no such options
+    assert not inventory_beside_run(cfg(numprocesses=None, dist="no"))

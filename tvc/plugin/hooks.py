@@ -698,8 +698,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     config = _CONFIGS[-1] if _CONFIGS else None
     if config is not None and not hasattr(config, "workerinput"):
         config.stash[_RUN].setdefault("reports", []).append(report)
-        if _COVERAGE_INVENTORY not in config.stash and any(
-                k == COVERAGE_PROPERTY for k, _ in report.user_properties):
+        if _COVERAGE_INVENTORY not in config.stash and inventory_beside_run(
+                config) and any(k == COVERAGE_PROPERTY
+                                for k, _ in report.user_properties):
             config.stash[_COVERAGE_INVENTORY] = _start_inventory()
 
 
@@ -709,21 +710,38 @@ COVERAGE_PROPERTY = "tvc_coverage"
 _COVERAGE_INVENTORY = pytest.StashKey["concurrent.futures.Future[Any]"]()
 
 
+def inventory_beside_run(config: pytest.Config) -> bool:
+    """Whether vLLM's imports for the coverage table run in a thread beside the run.
+
+    Only on an xdist controller, which runs no test and has not imported vLLM: where
+    tests run in this process, vLLM is imported already, and a thread importing
+    more of it would parse source (torch's ``_overload`` does) while a test or
+    hypothesis parses on the main thread; ``ast.parse`` on two threads at once
+    fails in CPython 3.11 ("AST constructor recursion depth mismatch": one
+    recursion counter per interpreter), which broke an exploration self-test.
+    """
+    return bool(getattr(config.option, "numprocesses", None)) and (
+        getattr(config.option, "dist", "no") != "no")
+
+
 def _start_inventory() -> concurrent.futures.Future[Any]:
-    """Compute vLLM's API inventory in a thread while the run goes on.
+    """Import what vLLM's API inventory reads in a thread while the run goes on.
 
     The coverage table needs it; importing vLLM took 11.6 s of a 2-core box's report
-    phase (2026-12-05), so it starts at the first contract report.
+    phase (2026-12-05), so it starts at the first contract report
+    (:func:`inventory_beside_run`). The inventory itself (0.2 s, it parses source)
+    is taken on the main thread at report time.
     """
     import threading
 
-    from tvc.contract.coverage import inventory
+    from tvc.contract.coverage import import_owners
 
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def work() -> None:
         try:
-            future.set_result(inventory())
+            import_owners()
+            future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - raised again by result()
             future.set_exception(exc)
 
@@ -1098,10 +1116,12 @@ def _coverage(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
     if not logs:
         return exitstatus
     try:
-        from tvc.contract.coverage import coverage_table
+        from tvc.contract.coverage import coverage_table, inventory
 
         future = config.stash.get(_COVERAGE_INVENTORY, None)
-        cov = coverage_table(logs, future.result() if future is not None else None)
+        if future is not None:
+            future.result()  # the imports, done beside the run
+        cov = coverage_table(logs, inventory())
     except Exception as exc:  # noqa: BLE001 - never lose the run's report
         sys.stderr.write(f"coverage table not computed: {exc!r}\n")
         return exitstatus

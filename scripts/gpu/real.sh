@@ -46,6 +46,15 @@ for f in s.get("findings") or []:
 EOF
 }
 
+E2E_K="test_second_pass or different_prompt or block_boundaries or local_prefix"
+
+tiers() {  # tiers NAME PROFILE: level1 + contract [cuda] + e2e of a real target, packed
+  pt "$1-level1" -m level1 --tvc-profile "$2" --tvc-require gpu
+  pt "$1-contract" -m contract -k "cuda" --tvc-profile "$2" --tvc-require gpu
+  pt "$1-e2e" -m e2e --tvc-profile "$2" --tvc-require gpu -k "$E2E_K"
+  pack "$1"
+}
+
 pack() {
   tar -C "$RESULTS" -czf "$OUT/results-real-$1.tgz" . && echo "packed $OUT/results-real-$1.tgz"
 }
@@ -61,17 +70,10 @@ case ${1:?phase: setup, lmcache, mp, harness, mc-setup or mooncake} in
     ;;
   lmcache)
     pt lmcache-contract -m contract -k "cuda" --tvc-profile lmcache --tvc-require gpu
-    pt lmcache-e2e -m e2e --tvc-profile lmcache --tvc-require gpu \
-      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
+    pt lmcache-e2e -m e2e --tvc-profile lmcache --tvc-require gpu -k "$E2E_K"
     pack lmcache
     ;;
-  mp)
-    pt mp-level1 -m level1 --tvc-profile lmcache-mp --tvc-require gpu
-    pt mp-contract -m contract -k "cuda" --tvc-profile lmcache-mp --tvc-require gpu
-    pt mp-e2e -m e2e --tvc-profile lmcache-mp --tvc-require gpu \
-      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
-    pack mp
-    ;;
+  mp) tiers mp lmcache-mp ;;
   mc-setup)
     ls .whl-mc/*.whl || { echo "no .whl-mc/*.whl: carry .whl-mc"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -80,13 +82,7 @@ case ${1:?phase: setup, lmcache, mp, harness, mc-setup or mooncake} in
     python3 -c "import mooncake.store; print('mooncake.store imports')" || exit 1
     command -v mooncake_master || { echo "mooncake_master is not on PATH"; exit 1; }
     ;;
-  mooncake)
-    pt mc-level1 -m level1 --tvc-profile mooncake-store --tvc-require gpu
-    pt mc-contract -m contract -k "cuda" --tvc-profile mooncake-store --tvc-require gpu
-    pt mc-e2e -m e2e --tvc-profile mooncake-store --tvc-require gpu \
-      -k "test_second_pass or different_prompt or block_boundaries or local_prefix"
-    pack mooncake
-    ;;
+  mooncake) tiers mooncake mooncake-store ;;
   harness)
     pt harness selftests/contract/test_forward_context.py \
       selftests/daemon/test_kv_server.py

@@ -9,10 +9,12 @@ first run's KV files stayed in ``<scratch>/example-store``, which grew by ~9 MB 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,36 @@ def test_session_folder_is_stable_then_removed(tmp_path: Path) -> None:
     finally:
         assert rs.remove_session_stores(scratch) == [root]
     assert not (scratch / rs.STORES_DIRNAME).exists()
+
+
+def test_a_slow_writer_in_the_session_store_keeps_it(tmp_path: Path) -> None:
+    """A program making one file every 0.8 s in the session's store folder: the
+    folder and its files stay (fresh-user trial: a writer of one file a second lost
+    them all when the session ended; one settle time saw no change)."""
+    import threading
+
+    scratch = tmp_path / "scratch"
+    root = rs.session_store_root(scratch)
+    stop = threading.Event()
+    written: list[Path] = []
+
+    def writer() -> None:
+        while not stop.is_set():
+            f = root / f"theirs-{len(written)}.dat"
+            f.write_bytes(b"theirs")
+            written.append(f)
+            stop.wait(0.8)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert rs.remove_session_stores(scratch) == []
+    finally:
+        stop.set()
+        t.join()
+    assert root.is_dir() and all(f.read_bytes() == b"theirs" for f in written)
+    assert "kept" in json.loads((root / rs.OWNER_MARKER).read_text())
 
 
 def test_test_device_and_file_url_stores_get_session_folders_too(tmp_path: Path

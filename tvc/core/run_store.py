@@ -341,14 +341,26 @@ def settle_s() -> float:
     return SETTLE_S * min(max(1.0, load), MAX_LOAD_FACTOR)
 
 
-def _written_now(root: Path) -> Path | None:
-    """A file that changes under ``root`` within a settle time (None: quiet)."""
+END_WATCH_S = 1.2  # how long a session store is watched before it is removed: a
+#   writer of one file a second in it was missed by one settle time (fresh-user trial)
+
+
+def _written_now(root: Path, watch_s: float | None = None) -> Path | None:
+    """A file that changes under ``root`` within ``watch_s`` (None: quiet).
+
+    ``watch_s`` defaults to a settle time; polled every settle time, so a change
+    ends the wait.
+    """
+    settle = settle_s()
+    deadline = time.monotonic() + (settle if watch_s is None else watch_s)
     before = file_identities(root)
-    time.sleep(settle_s())
-    after = file_identities(root)
-    changed = sorted(p for p in before.keys() | after.keys()
-                     if before.get(p) != after.get(p))
-    return changed[0] if changed else None
+    while True:
+        time.sleep(settle)
+        after = file_identities(root)
+        changed = sorted(p for p in before.keys() | after.keys()
+                         if before.get(p) != after.get(p))
+        if changed or time.monotonic() >= deadline:
+            return changed[0] if changed else None
 
 
 # session store root -> a file another program changed in it (seen by the store
@@ -385,7 +397,7 @@ def remove_session_stores(scratch: Path | None = None) -> list[Path]:
     """Remove the store folders this process made (end of the session).
 
     A folder another program wrote in (:func:`note_foreign_writer`, or files still
-    changing over :func:`settle_s`) is kept, marked ``kept`` and named on stderr.
+    changing over :data:`END_WATCH_S`) is kept, marked ``kept`` and named on stderr.
     ``scratch``: only that scratch's folder (None: all). Returns the folders
     removed; ``<scratch>/run-stores`` goes too when the suite made it and it is empty.
     """
@@ -396,7 +408,7 @@ def remove_session_stores(scratch: Path | None = None) -> list[Path]:
         if root is None:
             continue
         name = _split_name(root)
-        foreign = _FOREIGN.pop(root, None) or _written_now(root)
+        foreign = _FOREIGN.pop(root, None) or _written_now(root, END_WATCH_S)
         if foreign is not None:  # the session's connectors are stopped by now
             _keep(root, foreign)
         elif name is not None and remove_owned_dir(root, pid=os.getpid(),

@@ -20,7 +20,8 @@ GOOD_HEAD = '[profile]\nname = "bad"\n[connector]\nname = "ExampleConnector"\n'
 # case -> (profile text, substrings the one error line must contain)
 CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "unknown_key": (GOOD_HEAD + "kv_rol = \"kv_both\"\n",
-                    ("unknown key connector.kv_rol", "allowed: name, module_path")),
+                    ("unknown key connector.kv_rol (did you mean kv_role?)",
+                     "allowed: name, module_path")),
     "wrong_type": (GOOD_HEAD + "[bandwidth]\nnum_disks = \"four\"\n",
                    ("key bandwidth.num_disks: expected an integer, got str 'four'",)),
     "missing_required": ('[profile]\nname = "bad"\n',
@@ -30,7 +31,8 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
                         "is not set", "${TVC_SELFTEST_UNSET_VAR:-default}")),
     "bad_toml": (GOOD_HEAD + "kv_role = kv_both\n", ("not valid TOML", "line 5")),
     "unknown_section": (GOOD_HEAD + "[conector]\nname = \"x\"\n",
-                        ("unknown section [conector]", "allowed: profile, connector")),
+                        ("unknown section [conector] (did you mean connector?)",
+                         "allowed: profile, connector")),
     "key_outside_its_table": ('extends = "example"\n' + GOOD_HEAD,
                               ("unknown section [extends]",
                                "extends is a key of [profile]: write it under")),
@@ -76,6 +78,9 @@ def test_unknown_builtin_profile_lists_the_known_ones(tmp_path: Path) -> None:
     _assert_one_line_usage_error(
         run, ("no such built-in profile", "example", "cpu-offload", "tutti"),
         "profile 'no-such-profile'")
+    run = run_suite([ANCHOR, "--tvc-profile", "exmaple"], tmp_path / "r2")
+    _assert_one_line_usage_error(
+        run, ("no such built-in profile (did you mean example?)",), "profile 'exmaple'")
 
 
 def test_bad_profile_from_environment_variable(tmp_path: Path) -> None:

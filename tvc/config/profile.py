@@ -375,9 +375,11 @@ def resolve_path(selector: str | None) -> Path:
     path = BUILTIN_DIR / f"{sel}.toml"
     if not NAME.fullmatch(sel) or len(sel) > MAX_NAME_CHARS or not _is_file(
             path, f"profile {shorten(sel)}"):
-        names = ", ".join(sorted(p.stem for p in BUILTIN_DIR.glob("*.toml")))
-        raise ProfileError(f"profile {shorten(sel)}: no such built-in profile "
-                           f"(have: {names})")
+        stems = sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+        close = difflib.get_close_matches(sel, stems, n=1, cutoff=0.75)
+        raise ProfileError(f"profile {shorten(sel)}: no such built-in profile"
+                           f"{f' (did you mean {close[0]}?)' if close else ''} "
+                           f"(have: {', '.join(stems)})")
     return path
 
 
@@ -646,7 +648,11 @@ def _describe(error: Mapping[str, Any], loc: tuple[Any, ...], data: Any) -> str:
                     and str(loc[depth]) in f.annotation.model_fields]
             hint = (f"; {unknown} is a key of [{home[0]}]: write it under that "
                     "table") if home else ""
-            return (f"unknown section [{unknown}] (allowed: "
+            close = difflib.get_close_matches(
+                str(loc[depth]), [*schema.SECTIONS, "known_failures"], n=1,
+                cutoff=0.75)
+            mean = f" (did you mean {close[0]}?)" if close and not hint else ""
+            return (f"unknown section [{unknown}]{mean} (allowed: "
                     f"{', '.join(schema.SECTIONS)}, [[known_failures]]){hint}")
         return (f"unknown key {key}.{unknown}{_did_you_mean(str(loc[depth]), model)}"
                 f" (allowed: {', '.join(model.model_fields if model else ())})")

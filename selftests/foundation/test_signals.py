@@ -280,3 +280,38 @@ def test_ctrl_c_to_the_group_under_xdist_names_no_red(tmp_path: Path) -> None:
     page = (tmp_path / "r" / "failures.md").read_text()
     assert "No red." in page and "crashed" not in page, page
     _no_process_left(proc)
+
+
+def test_a_worker_that_crashes_on_its_own_is_still_a_red(tmp_path: Path) -> None:
+    """The other side of the rule above: with no signal, a worker that dies in a
+    test (a connector's native crash) is a red naming the test."""
+    if importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed: pip install pytest-xdist")
+    crash = {"test_crash.py": """
+        import os
+
+        import pytest
+
+        pytestmark = [pytest.mark.level1, pytest.mark.hw_any]
+
+        def test_fine():
+            pass
+
+        def test_dies():
+            os._exit(1)
+        """}
+    env = {k: v for k, v in os.environ.items() if k not in SUITE_ENV_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+         *write_tests(tmp_path / "t", crash), f"--tvc-profile={_profile(tmp_path)}",
+         f"--tvc-report-dir={tmp_path / 'r'}", "-n", "2"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=STOP_BOUND_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "tvc: RED 1:" in out and "test_dies" in out, out[-3000:]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    by_id = {t["nodeid"].rpartition("::")[2]: t for t in summary["tests"]}
+    assert by_id["test_dies"]["outcome"] in ("failed", "error"), by_id
+    assert "crashed" in by_id["test_dies"]["message"], by_id["test_dies"]

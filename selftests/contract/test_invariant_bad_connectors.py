@@ -144,15 +144,21 @@ def test_state_kept_across_a_preemption_is_red(cls: str, needles: tuple[str, ...
 def test_the_exploration_finds_a_block_table_kept_across_a_preemption(
         tmp_path: Path) -> None:
     # a drawn sequence must resume a prefill that then saves a chunk the
-    # prefix cache did not hand back: seed 4 draws one (vLLM 0.28.0, rules
-    # without state preconditions; seed 3 meets the same fault as 'saves hold
-    # computed KV', seed 2 draws none; the family's fixed crowd sequence resumes
-    # on the blocks the prefix cache kept, where the kept table is still right)
-    run = run_one(tmp_path, "AppendsTableOnResumeConnector",
-                  ["suites/contract/test_exploration.py", "-m", "contract", "-k",
-                   "preemption", "--tvc-seed=4"], timeout_s=900)
-    t = run.test("test_contract_holds_over_explored_event_sequences[preemption]")
-    msg = t.get("message") or ""
+    # prefix cache did not hand back (the family's fixed crowd sequence resumes
+    # on the blocks the prefix cache kept, where the kept table is still right).
+    # Which seeds draw one moves with the code: hypothesis mixes constants of the
+    # suite's own modules into its draws (seed 4 did until 5a37b60 added some;
+    # at 180b345 seeds 2 and 6 do, 1, 3, 4 and 5 do not), so the first of a few
+    # seeds that breaks the invariant counts
+    for seed in (2, 4, 6, 7):
+        (tmp_path / f"seed-{seed}").mkdir()
+        run = run_one(tmp_path / f"seed-{seed}", "AppendsTableOnResumeConnector",
+                      ["suites/contract/test_exploration.py", "-m", "contract",
+                       "-k", "preemption", f"--tvc-seed={seed}"], timeout_s=900)
+        t = run.test("test_contract_holds_over_explored_event_sequences[preemption]")
+        msg = t.get("message") or ""
+        if "no block table kept across a preemption" in msg:
+            break
     assert t["outcome"] == "failed", (t, run.tail(3000))
     assert "invariant 'no block table kept across a preemption' broken" in msg, msg
     assert ("connector method at fault: build_connector_meta / "

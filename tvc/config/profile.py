@@ -1058,14 +1058,19 @@ def check_kv_transfer_config(profile: Profile) -> bool:
                                ) from None
         except ValueError as exc:  # pydantic.ValidationError is a ValueError
             fields = profile["pd"][role] if role is not None else {}
-            raise ProfileError(_kv_transfer_refusal(profile.source, exc, fields,
-                                                    role)) from None
+            raise ProfileError(_kv_transfer_refusal(
+                profile.source, exc, fields, role,
+                list(getattr(KVTransferConfig, "__dataclass_fields__", ())))
+            ) from None
     return True
 
 
 def _kv_transfer_refusal(source: Path, exc: ValueError, role_fields: Mapping[str, Any],
-                         role: str | None) -> str:
-    """One line from vLLM's refusal: the profile key, vLLM's reason, the value."""
+                         role: str | None, known: list[str]) -> str:
+    """One line from vLLM's refusal: the profile key, vLLM's reason, the value.
+
+    ``known``: KVTransferConfig's field names, for the closest one to an unknown key.
+    """
     errors = getattr(exc, "errors", None)
     first: Mapping[str, Any] = {}
     with contextlib.suppress(Exception):
@@ -1074,7 +1079,11 @@ def _kv_transfer_refusal(source: Path, exc: ValueError, role_fields: Mapping[str
     if loc:
         field_name = loc[0]
         why = str(first.get("msg", "")).removeprefix("Value error, ")
-        if "input" in first:
+        if first.get("type") == "unexpected_keyword_argument":
+            close = difflib.get_close_matches(field_name, known, n=1, cutoff=0.75)
+            why = ("no such field (unexpected keyword argument)"
+                   + (f"; did you mean {close[0]}?" if close else ""))
+        elif "input" in first:
             why += f", got {shorten(first['input'], 60)}"
     else:  # KVTransferConfig.__post_init__: only kv_role is checked there
         text = str(exc).strip()

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import signal
 import sys
 import time
@@ -265,15 +264,6 @@ class RunReport:
             return "terminated"
         return OUTCOME_BY_EXIT.get(int(exitstatus), f"exit_{int(exitstatus)}")
 
-    def _crashed_by_the_stop(self, outcome: str) -> None:
-        """A stopped run's xdist "worker 'gw0' crashed" errors become ``not_run``."""
-        for entry in self.tests.values():
-            if entry["outcome"] == "error" and re.search(
-                    r"worker '\w+' crashed while running", entry["message"]):
-                entry["outcome"] = "not_run"
-                entry["message"] = (f"running when the run was {outcome}: it never "
-                                    "finished")
-
     def write(self, exitstatus: int) -> Path:
         """Write ``summary.json``; point ``reports/latest`` at a run that ran tests.
 
@@ -291,8 +281,6 @@ class RunReport:
         run = {**self.meta.get("run", {}), "exit_status": int(exitstatus),
                "outcome": self.outcome(exitstatus),
                "duration_s": round(time.time() - self.started, 3)}
-        if run["outcome"] in ("interrupted", "terminated"):
-            self._crashed_by_the_stop(run["outcome"])
         run.setdefault("host", platform.node())
         run.setdefault("pythonpath", os.environ.get("PYTHONPATH", ""))
         if self.terminated_by:

@@ -115,13 +115,12 @@ def test_a_slow_writer_in_the_session_store_keeps_it(tmp_path: Path) -> None:
     assert "kept" in json.loads((root / rs.OWNER_MARKER).read_text())
 
 
-def test_test_device_and_file_url_stores_get_session_folders_too(tmp_path: Path
-                                                                  ) -> None:
+def test_test_device_stores_get_session_folders_too(tmp_path: Path) -> None:
     """A store in a ``[store] test_devices`` folder (the only place outside scratch
-    the load allows) is this session's too, and so is a ``file://`` URL one."""
+    the load allows) is this session's too, and so is a second scratch path."""
     scratch, dev = tmp_path / "scratch", rs.claim_dir(tmp_path / "nvme")
     ktc = {"kv_connector_extra_config": {
-        "root": f"{dev}/rank{{LOCAL_RANK}}", "local_disk": f"file://{scratch}/disk",
+        "root": f"{dev}/rank{{LOCAL_RANK}}", "local_disk": f"{scratch}/disk",
         "node": "/dev/null"}}
     try:
         extra = rs.isolate_store_paths(ktc, scratch, devices=[str(dev),
@@ -130,8 +129,7 @@ def test_test_device_and_file_url_stores_get_session_folders_too(tmp_path: Path
         dev_root = rs._ROOTS[rs._norm(dev)]
         assert dev_root.parent == dev / rs.STORES_DIRNAME
         assert extra["root"] == f"{dev_root}/rank{{LOCAL_RANK}}"
-        assert extra["local_disk"] == (
-            f"file://{rs._ROOTS[rs._norm(scratch)]}/disk")
+        assert extra["local_disk"] == f"{rs._ROOTS[rs._norm(scratch)]}/disk"
         assert extra["node"] == "/dev/null"
         assert rs.made_in_this_run(dev_root / "rank0") == dev_root
         assert rs.made_in_this_run(dev) is None or rs.owner_of(dev)["run"] == (

@@ -803,7 +803,7 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
     ``connector.fault_injector = "module:function"`` is called with the rig (an
     injector has ``kinds``, ``between_lookup_and_load``, ``mark``,
     ``entries_since`` and one method per kind). Else a :class:`FileStoreInjector`
-    on the first directory path (or ``file://`` URL) in
+    on the first directory path in
     ``kv_connector_extra_config`` (made when missing under a folder this run
     made), else an :class:`ObjectStoreInjector`, or None where a server holds the
     KV (:func:`server_held_store`).
@@ -833,7 +833,7 @@ def fault_injector_for(profile: Any, rig: Any) -> Any:
         if found is None:
             continue
         # a templated part (rank{LOCAL_RANK}) is the connector's: watch above it
-        path = store_base(found[1])
+        path = store_base(found)
         if path.parent == path:
             continue
         if path.exists() and not path.is_dir():

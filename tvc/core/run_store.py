@@ -418,20 +418,13 @@ def remove_session_stores(scratch: Path | None = None) -> list[Path]:
     return removed
 
 
-FILE_URL = "file://"  # the form a resolved file URL takes: file:///abs/path
-
-
-def resolved_path_of(value: Any) -> tuple[str, str] | None:
-    """``(prefix, absolute path)`` of a resolved store path string, else None.
+def resolved_path_of(value: Any) -> str | None:
+    """The absolute path a resolved store path string is, else None.
 
     The load resolved every store path (:func:`tvc.config.checks.resolve_store_paths`)
-    to an absolute path or a ``file://`` URL of one.
+    to an absolute path, a ``file:`` URL's too.
     """
-    if not isinstance(value, str) or not value:
-        return None
-    prefix = FILE_URL if value.startswith(FILE_URL + "/") else ""
-    path = value[len(prefix):]
-    return (prefix, path) if os.path.isabs(path) else None
+    return value if isinstance(value, str) and os.path.isabs(value) else None
 
 
 def _relocate(value: Any, moves: list[tuple[Path, Path]]) -> Any:
@@ -439,16 +432,15 @@ def _relocate(value: Any, moves: list[tuple[Path, Path]]) -> Any:
         return {k: _relocate(v, moves) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return type(value)(_relocate(v, moves) for v in value)
-    found = resolved_path_of(value)
-    if found is None:
+    text = resolved_path_of(value)
+    if text is None:
         return value
-    prefix, text = found
     path = _norm(text)
     for base, root in moves:
         if path.is_relative_to(root):
             return value  # already this session's
         if path.is_relative_to(base):
-            return prefix + str(root / path.relative_to(base))
+            return str(root / path.relative_to(base))
     return value
 
 
@@ -457,8 +449,8 @@ def _mentions(value: Any, base: Path) -> bool:
         return any(_mentions(v, base) for v in value.values())
     if isinstance(value, list | tuple):
         return any(_mentions(v, base) for v in value)
-    found = resolved_path_of(value)
-    return found is not None and _norm(found[1]).is_relative_to(base)
+    text = resolved_path_of(value)
+    return text is not None and _norm(text).is_relative_to(base)
 
 
 def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
@@ -468,7 +460,7 @@ def isolate_store_paths(kv_transfer_config: Mapping[str, Any], scratch: Path,
     """A copy of ``kv_transfer_config`` whose store paths are this session's.
 
     Every string in ``kv_connector_extra_config`` (nested too) that is an absolute path
-    or ``file://`` URL inside ``scratch`` moves to the same relative path under
+    inside ``scratch`` moves to the same relative path under
     ``root``; one inside a ``devices`` folder ``D`` goes under
     ``D/run-stores/<pid>-<hex>/``. The input is not modified. ``root`` defaults to
     :func:`session_store_root` of ``scratch`` (made only when a path moves);

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,10 +376,8 @@ def resolve_path(selector: str | None) -> Path:
     if not NAME.fullmatch(sel) or len(sel) > MAX_NAME_CHARS or not _is_file(
             path, f"profile {shorten(sel)}"):
         stems = sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
-        close = difflib.get_close_matches(sel, stems, n=1, cutoff=0.75)
         raise ProfileError(f"profile {shorten(sel)}: no such built-in profile"
-                           f"{f' (did you mean {close[0]}?)' if close else ''} "
-                           f"(have: {', '.join(stems)})")
+                           f"{_did_you_mean(sel, stems)} (have: {', '.join(stems)})")
     return path
 
 
@@ -547,8 +545,8 @@ def _describe_all(errors: list[Any], prefix: tuple[str, ...], full: Any,
                 parts.append(file)
             keys, allowed = unknown.setdefault(file, ([], {}))
             keys.append(f"{table}.{key_name(str(loc[depth]))}"
-                        f"{_did_you_mean(str(loc[depth]), model)}")
-            allowed[table] = ", ".join(model.model_fields if model else ())
+                        f"{_did_you_mean(str(loc[depth]), _fields(model))}")
+            allowed[table] = ", ".join(_fields(model))
             continue
         text = _describe(error, loc, full)
         if f"{file}: {text}" not in parts:
@@ -627,12 +625,23 @@ _WANT = {str: "a string", int: "an integer", float: "a number", bool: "true/fals
          "list[dict]": "a list of tables", "dict": "a table"}
 
 
-def _did_you_mean(name: str, model: Any) -> str:
-    """`` (did you mean X?)`` for a misspelt key of ``model``, else ``""``."""
-    names = list(model.model_fields if model else ())
+def _fields(model: Any) -> list[str]:
+    """The keys of a profile table's model (none for no model)."""
+    return list(model.model_fields if model else ())
+
+
+def _did_you_mean(name: str, names: Iterable[str], lead: str = " (") -> str:
+    """``(did you mean X?)`` after ``lead`` for a misspelt ``name``, else ``""``.
+
+    X is the closest of ``names`` (difflib, ratio >= 0.75) or the first that
+    starts with ``name`` (4 characters or more).
+    """
+    names = list(names)
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.75) or [
         k for k in names if len(name) >= 4 and k.startswith(name)][:1]
-    return f" (did you mean {close[0]}?)" if close else ""
+    if not close:
+        return ""
+    return f"{lead}did you mean {close[0]}?" + (")" if lead.endswith("(") else "")
 
 
 def _describe(error: Mapping[str, Any], loc: tuple[Any, ...], data: Any) -> str:
@@ -648,14 +657,13 @@ def _describe(error: Mapping[str, Any], loc: tuple[Any, ...], data: Any) -> str:
                     and str(loc[depth]) in f.annotation.model_fields]
             hint = (f"; {unknown} is a key of [{home[0]}]: write it under that "
                     "table") if home else ""
-            close = difflib.get_close_matches(
-                str(loc[depth]), [*schema.SECTIONS, "known_failures"], n=1,
-                cutoff=0.75)
-            mean = f" (did you mean {close[0]}?)" if close and not hint else ""
+            mean = "" if hint else _did_you_mean(
+                str(loc[depth]), [*schema.SECTIONS, "known_failures"])
             return (f"unknown section [{unknown}]{mean} (allowed: "
                     f"{', '.join(schema.SECTIONS)}, [[known_failures]]){hint}")
-        return (f"unknown key {key}.{unknown}{_did_you_mean(str(loc[depth]), model)}"
-                f" (allowed: {', '.join(model.model_fields if model else ())})")
+        return (f"unknown key {key}.{unknown}"
+                f"{_did_you_mean(str(loc[depth]), _fields(model))}"
+                f" (allowed: {', '.join(_fields(model))})")
     if kind == "missing":
         required = [k for k, f in model.model_fields.items() if f.is_required()] if (
             model is not None and depth == len(loc)) else []
@@ -1080,9 +1088,8 @@ def _kv_transfer_refusal(source: Path, exc: ValueError, role_fields: Mapping[str
         field_name = loc[0]
         why = str(first.get("msg", "")).removeprefix("Value error, ")
         if first.get("type") == "unexpected_keyword_argument":
-            close = difflib.get_close_matches(field_name, known, n=1, cutoff=0.75)
             why = ("no such field (unexpected keyword argument)"
-                   + (f"; did you mean {close[0]}?" if close else ""))
+                   + _did_you_mean(field_name, known, "; "))
         elif "input" in first:
             why += f", got {shorten(first['input'], 60)}"
     else:  # KVTransferConfig.__post_init__: only kv_role is checked there

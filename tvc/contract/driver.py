@@ -578,8 +578,19 @@ class EngineDriver:
             setattr(c, name, wrapper)
         c._tvc_wrapped = True
 
+    def busy(self) -> bool:
+        """Whether vLLM's engine would step again: ``Scheduler.has_requests``.
+
+        Requests left, finished ones not yet sent to the workers, or the
+        connector's ``has_pending_push_work`` (store jobs that still hold blocks:
+        vLLM 0.26.0 scheduler.py L2315-L2324, 0.28.0 L2494-L2509).
+        """
+        has_requests = getattr(self.scheduler, "has_requests", None)
+        return bool(has_requests()) if has_requests else bool(
+            self.scheduler.requests)
+
     def step_until_idle(self, step: Callable[[], object] | None = None) -> bool:
-        """Step until no request is left, or until none progressed for a while.
+        """Step while vLLM's engine would (:meth:`busy`), or until nothing progressed.
 
         Stalled: ``max_steps`` steps in a row without a token computed, generated or
         a request leaving, and :attr:`min_stall_s` seconds since the last progress;
@@ -587,14 +598,14 @@ class EngineDriver:
         defaults to :meth:`step`.
 
         Returns:
-            True when the scheduler emptied; False when it stalled.
+            True when the engine went idle; False when it stalled.
 
         """
         step = step or self.step
         still = total = 0
         last: object = None
         since = time.monotonic()
-        while self.scheduler.requests:
+        while self.busy():
             if total >= 20 * self.max_steps:
                 return False
             if still >= self.max_steps:
@@ -650,6 +661,14 @@ class EngineDriver:
         """
         if not self.step_until_idle():
             left = {r: str(q.status) for r, q in self.scheduler.requests.items()}
+            if not left:
+                raise AssertionError(
+                    "has_pending_push_work() still answered True "
+                    f"{self.max_steps} steps and {self.min_stall_s:g} s after the "
+                    "last request left (connector.transfer_timeout_s): vLLM's "
+                    "engine keeps stepping while it does (Scheduler.has_requests), "
+                    "so it never goes idle. Answer False once every store job is "
+                    "reported done (its blocks released)")
             if all(q.is_finished() for q in self.scheduler.requests.values()):
                 pool = self.scheduler.kv_cache_manager.block_pool
                 held = sum(1 for b in pool.blocks if b.ref_cnt)

@@ -390,7 +390,7 @@ class Explorer:
             self.stats.standins.append(label)
 
     def close(self) -> None:
-        """Release the rig's worker (KV tensors, vLLM's distributed state)."""
+        """Release the rig (KV tensors, vLLM's distributed state, sockets)."""
         w = self.worker
         if w is not None:
             self.stats.unrecomputed_reads += len(w.unrecomputed_reads)
@@ -399,10 +399,7 @@ class Explorer:
         if self._fail_save is not None:
             self._fail_save.close()
             self._fail_save = None
-        closer = getattr(self.rig.worker, "close", None)
-        if callable(closer):
-            with contextlib.suppress(Exception):
-                closer()
+        self.rig.close()
 
     @property
     def worker(self) -> ConnectorWorker | None:

@@ -5,7 +5,11 @@ Also the hypothesis settings profile (``tvc-ci``) used by the contract tier.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,15 @@ from tvc.contract.layout import (
 from tvc.contract.standins import BUILTIN_STANDIN, load_worker_report
 from tvc.contract.worker import ConnectorWorker, ConnectorWorkerError
 from tvc.core import run_store
+
+#: vLLM's folder for IPC sockets (``vllm.envs``; default the system temp folder):
+#: sockets named only by host and rank (MooncakeStoreConnector's lookup,
+#: ``get_zmq_rpc_path_lookup``) would be shared by every rig and xdist worker
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+
+
+#: connectors of closed rigs that left threads running (see :meth:`Rig.close`)
+_KEPT_UNTIL_EXIT: list[tuple[Any, Any]] = []
 
 
 # ------------------------------------------------------------------- rig + fixtures
@@ -78,6 +91,35 @@ class Rig(SchedulerSideMixin):
     driver: EngineDriver
     #: (runner, source) from :func:`tvc.contract.layout.decide_model_runner`
     runner: tuple[str, str] = ("V1", "given")
+    #: the rig's own ``VLLM_RPC_BASE_PATH`` folder (made by :func:`make_rig`)
+    rpc_dir: Path | None = None
+
+    #: idents of the threads alive before the rig was built
+    threads_before: frozenset[int] = frozenset()
+
+    def close(self) -> None:
+        """Shut the worker and scheduler-side connector down; drop the IPC folder.
+
+        Best effort: a connector's error at shutdown is ignored. Connectors whose
+        shutdown leaves threads running are kept referenced until the process
+        exits, as in vLLM, where ``shutdown`` runs as the worker process ends
+        (``KVConnectorBase_V1.shutdown``): collecting them early can block for
+        ever (a ZMQ context whose socket a thread still reads waits in ``term``).
+        """
+        conns = (self.scheduler.connector, getattr(self.worker, "connector", None))
+        closers = [getattr(self.worker, "close", None)]
+        if closers[0] is None:
+            closers = [getattr(getattr(self.worker, "connector", None), "shutdown",
+                               None)]
+        closers.append(getattr(self.scheduler.connector, "shutdown", None))
+        for close in closers:
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        if any(t.ident not in self.threads_before for t in threading.enumerate()):
+            _KEPT_UNTIL_EXIT.append(conns)
 
 
 
@@ -107,6 +149,8 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
             real worker.
 
     """
+    threads_before = frozenset(t.ident for t in threading.enumerate()
+                               if t.ident is not None)
     run_store.mark_if_missing(Path(profile.scratch))  # the suite's from the start
     claim_store_paths(profile)  # store folders outside scratch: made and marked
     env = dict(profile["vllm"]["env"])
@@ -133,20 +177,31 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         if on_no_worker is not None:
             on_no_worker(msg)  # the fixtures' hardware skip on a box without CUDA
         raise NoWorkerHere(msg)
-    with vllm_env(env):
-        vc = make_vllm_config(profile, scratch=scratch, device=device, **config_kw)
-        runner = decide_model_runner(vc, env)
-        kcc = make_kv_cache_config(vc, num_blocks)
-        sched = make_scheduler(vc, kcc)
-        if real_worker:
-            try:
-                worker = ConnectorWorker(vc, kcc, device, runner)
-            except ConnectorWorkerError as exc:
-                exc.runner = runner  # type: ignore[attr-defined]  # for reports
-                raise
-            worker.watch_frees(sched)  # marks the blocks vLLM frees
-        elif spec and spec not in (BUILTIN_STANDIN, REAL_WORKER_ONLY):
-            worker = load_worker_report(spec, vc, kcc, sched.connector)
+    rpc_dir = None
+    if RPC_ENV not in env:  # IPC sockets named from it are this rig's alone
+        rpc_dir = Path(tempfile.mkdtemp(prefix="tvc-rpc-"))
+        env[RPC_ENV] = str(rpc_dir)
+    try:
+        with vllm_env(env):
+            vc = make_vllm_config(profile, scratch=scratch, device=device,
+                                  **config_kw)
+            runner = decide_model_runner(vc, env)
+            kcc = make_kv_cache_config(vc, num_blocks)
+            if real_worker:  # the workers first, as EngineCore.__init__ does
+                try:
+                    worker = ConnectorWorker(vc, kcc, device, runner)
+                except ConnectorWorkerError as exc:
+                    exc.runner = runner  # type: ignore[attr-defined]  # reports
+                    raise
+            sched = make_scheduler(vc, kcc)
+            if real_worker:
+                worker.watch_frees(sched)  # marks the blocks vLLM frees
+            elif spec and spec not in (BUILTIN_STANDIN, REAL_WORKER_ONLY):
+                worker = load_worker_report(spec, vc, kcc, sched.connector)
+    except BaseException:
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+        raise
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,
                           on_no_worker=on_no_worker,
@@ -155,7 +210,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                           min_stall_s=float(
                               profile["connector"]["transfer_timeout_s"]))
     note_rig(driver.coverage, vc, kcc, worker)
-    return Rig(vc, kcc, sched, worker, driver, runner)
+    return Rig(vc, kcc, sched, worker, driver, runner, rpc_dir, threads_before)
 
 
 def _rig_runs_profile_connector(profile: Profile, config_kw: dict[str, Any]

@@ -237,3 +237,35 @@ class UnusedHookConnector(ReportingExampleConnector):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         return None
+
+
+class PushDrainsLaterConnector(ReportingExampleConnector):
+    """Correct: a finished request's store becomes visible only after its push
+    drains, 8 scheduler steps later; ``has_pending_push_work`` says so meanwhile
+    (as MooncakeStoreConnector holds its blocks until the store jobs end)."""
+
+    PUSH_STEPS = 8  # beyond the driver's 4 idle steps after the last request
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        self.__dict__["_push_steps"] = self.PUSH_STEPS
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        left = self.__dict__.get("_push_steps", 0)
+        self.__dict__["_push_steps"] = max(0, left - 1)
+        return super().build_connector_meta(scheduler_output)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.__dict__.get("_push_steps", 0))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        if self.has_pending_push_work():
+            return 0, False  # not in the store yet
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+class PushNeverDrainsConnector(PushDrainsLaterConnector):
+    """Fault: once a request finished, ``has_pending_push_work`` answers True for
+    ever: vLLM's engine never goes idle."""
+
+    PUSH_STEPS = 10**9

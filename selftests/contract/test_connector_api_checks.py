@@ -92,6 +92,9 @@ CASES = {
     "RawHashEventConnector": (
         "events and cpu", "vLLM's raw BlockHash bytes of a block this run computed, "
         "but vLLM publishes the converted external hash"),
+    # push work that never drains: vLLM's engine would step for ever
+    "PushNeverDrainsConnector": (
+        "stats and cpu", "has_pending_push_work() still answered True"),
 }
 
 
@@ -273,3 +276,13 @@ def test_a_connector_whose_events_are_off_is_not_checked_for_events(
     assert "emitted no KV cache event in the whole scenario" in t["message"], t
     assert "not an event emitter" in t["message"], t
     assert "never announced" not in _out(proc), _out(proc)
+
+
+def test_push_work_is_drained_before_the_replay(tmp_path) -> None:
+    """vLLM steps while ``has_pending_push_work`` (``Scheduler.has_requests``): a
+    store visible only once its push drained is found by the replay."""
+    proc, summary = _run("PushDrainsLaterConnector", "stats and cpu", tmp_path)
+    assert proc.returncode == 0, _out(proc)
+    (t,) = [t for t in summary["tests"] if "stats" in t["nodeid"]]
+    assert t["outcome"] == "passed", t
+    assert t["properties"]["scenario"]["hit_tokens"] > 0, t

@@ -94,6 +94,7 @@ class KnownDefect:
 
 
 _T = "xPU-IO/Tutti 33a8fb8 integration/vllm-connector/"
+_MC = "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/"
 # the LMCacheMPConnector vLLM runs: vLLM's in-tree module hands over to LMCache's
 # own class when it imports ("Using external LMCacheMPConnector from lmcache...")
 _LMC_MP = "lmcache 0.5.3 lmcache/integration/vllm/lmcache_mp_connector.py "
@@ -383,6 +384,35 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         connector="LMCacheMPConnector",
         link="https://github.com/vllm-project/vllm/issues/44250",
         package="lmcache>=0.5.3"),
+    KnownDefect(
+        "mooncake-store-event-parent-none",
+        "MooncakeStoreConnector publishes the first block it stores for a request "
+        "with parent_block_hash None when the blocks before it were already in "
+        "the store (extended prompt, decode block): the event chain breaks",
+        r"test_kv_cache_events_name_only_stored_blocks"
+        r"|test_contract_holds_over_explored_event_sequences",
+        r"names no parent for block",
+        "CPU, vLLM 0.28.0, mooncake-transfer-engine-non-cuda 0.3.13.post1 "
+        "(2026-12-06): store a 41-token prompt, then a 73-token prompt extending "
+        "it; the BlockStored event of its first new block names no parent",
+        _MC + "worker.py KVCacheStoreSendingThread._handle_request (parent from "
+        "prev_key_per_group, empty at each batch: L949 in 0.28.0, L660 in "
+        "0.26.0); fixed upstream by deriving it from the request's hash chain",
+        connector="MooncakeStoreConnector",
+        link="https://github.com/vllm-project/vllm/pull/52466", vllm="<0.33"),
+    KnownDefect(
+        "mooncake-store-skip-reading",
+        "a request that must not read cached KV (prompt_logprobs, "
+        "skip_reading_prefix_cache) is served from Mooncake's store: vLLM "
+        "0.26/0.28's scheduler uses the connector's answer as is (0.33 zeroes it)",
+        r"test_request_that_must_not_read_cached_kv_gets_a_miss",
+        r"the connector ignores Request\.skip_reading_prefix_cache",
+        "CPU, vLLM 0.28.0, mooncake-transfer-engine-non-cuda 0.3.13.post1 "
+        "(2026-12-06): a stored prompt replayed with prompt_logprobs started "
+        "with 32 tokens counted as computed",
+        _MC + "scheduler.py MooncakeStoreScheduler.get_num_new_matched_tokens "
+        "(L91 in 0.28.0, L73 in 0.26.0; skip_reading_prefix_cache is never read)",
+        connector="MooncakeStoreConnector", vllm="<0.33"),
     KnownDefect(
         "lmcache-prompt-embeds-typeerror",
         "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "

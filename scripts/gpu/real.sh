@@ -48,10 +48,16 @@ EOF
 
 E2E_K="test_second_pass or different_prompt or block_boundaries or local_prefix"
 
+# TIERS: which of them run; CONTRACT_N: xdist workers for the contract tier
+TIERS=${TIERS:-level1 contract e2e}
 tiers() {  # tiers NAME PROFILE: level1 + contract [cuda] + e2e of a real target, packed
-  pt "$1-level1" -m level1 --tvc-profile "$2" --tvc-require gpu
-  pt "$1-contract" -m contract -k "cuda" --tvc-profile "$2" --tvc-require gpu
-  pt "$1-e2e" -m e2e --tvc-profile "$2" --tvc-require gpu -k "$E2E_K"
+  case " $TIERS " in *" level1 "*)
+    pt "$1-level1" -m level1 --tvc-profile "$2" --tvc-require gpu ;; esac
+  case " $TIERS " in *" contract "*)
+    pt "$1-contract" -m contract -k "cuda" --tvc-profile "$2" --tvc-require gpu \
+      ${CONTRACT_N:+-n "$CONTRACT_N"} ;; esac
+  case " $TIERS " in *" e2e "*)
+    pt "$1-e2e" -m e2e --tvc-profile "$2" --tvc-require gpu -k "$E2E_K" ;; esac
   pack "$1"
 }
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from selftests.conftest import REPO_ROOT, run_suite
+from selftests.conftest import REPO_ROOT, SUITE_ENV_VARS, run_suite
 from tvc.config.profile import ProfileError, claim_owned_paths, load
 from tvc.contract.faults import (
     FaultConfigError,
@@ -669,3 +669,21 @@ def test_a_store_held_by_the_connectors_server_gets_no_object_injector() -> None
     assert fault_injector_for(served, rig) is None
     in_process = {"connector": {"fault_injector": ""}, "kv_server": {"kind": ""}}
     assert isinstance(fault_injector_for(in_process, rig), ObjectStoreInjector)
+
+
+def test_an_exploration_writes_nothing_in_the_working_folder(tmp_path: Path) -> None:
+    """Hypothesis keeps its caches in the suite's scratch, not ``.hypothesis`` in
+    the user's working folder (it writes its constants cache on every run)."""
+    cwd = tmp_path / "project"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*SUITE_ENV_VARS, "HYPOTHESIS_STORAGE_DIRECTORY")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+         f"--rootdir={REPO_ROOT}", "-c", str(REPO_ROOT / "pyproject.toml"),
+         str(REPO_ROOT / "suites/contract/test_exploration.py"), "-k", "one_token",
+         "--tvc-depth=quick", f"--tvc-report-dir={tmp_path / 'run'}"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 xfailed" in proc.stdout or "1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert list(cwd.iterdir()) == [], sorted(p.name for p in cwd.iterdir())

@@ -79,6 +79,8 @@ LEVEL_ALIASES = {"gpu": "gpu", "cuda": "gpu", "gpu2": "gpu2", "nvme": "nvme",
 # a random run seed is drawn from [1, 2**31): positive, fits a C int and numpy's
 # legacy seeding (which takes values < 2**32)
 SEED_RANGE = (1, 2**31)
+#: hypothesis's storage folder (its own default: ``.hypothesis`` in the working folder)
+HYPOTHESIS_HOME_ENV = "HYPOTHESIS_STORAGE_DIRECTORY"
 
 
 def parse_require(value: str | None) -> frozenset[str]:
@@ -495,6 +497,17 @@ def pytest_configure(config: pytest.Config) -> None:
                 "name": name, "version": installed_version(name) or ""}
         state.run_dir = rep.run_dir
         config.pluginmanager.register(rep, "tvc-run-report")
+    _hypothesis_home(Path(profile.scratch))
+
+
+def _hypothesis_home(folder: Path) -> None:
+    """Keep hypothesis's caches (constants, unicode data) in the suite's scratch.
+
+    Hypothesis writes them under ``.hypothesis`` in the working folder unless
+    ``HYPOTHESIS_STORAGE_DIRECTORY`` names another (a user's setting is kept);
+    xdist workers inherit the variable.
+    """
+    os.environ.setdefault(HYPOTHESIS_HOME_ENV, str(folder / "hypothesis"))
 
 
 def _default_to_suites(config: pytest.Config) -> None:

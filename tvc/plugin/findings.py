@@ -414,6 +414,20 @@ CATALOGUE: tuple[KnownDefect, ...] = (
         "(L91 in 0.28.0, L73 in 0.26.0; skip_reading_prefix_cache is never read)",
         connector="MooncakeStoreConnector", vllm="<0.33"),
     KnownDefect(
+        "mooncake-store-prompt-embeds-assert",
+        "a prompt-embeddings request (prompt_embeds, no prompt token ids) fails "
+        "MooncakeStoreConnector's own assert in build_connector_meta: the engine "
+        "step raises",
+        r"",
+        r"MooncakeStoreConnector\.build_connector_meta.*prompt_token_ids is not None",
+        "CPU, vLLM 0.28.0, mooncake-transfer-engine-non-cuda 0.3.13.post1 "
+        "(2026-12-06): the exploration's tenants family, the first schedule of an "
+        "embeddings-only request (tenant 'embeds:...')",
+        _MC + "scheduler.py _new_req_prefill_tokens (assert request."
+        "prompt_token_ids is not None: L47 in 0.28.0, L43 in 0.26.0, L58 in "
+        "0.33.0), called from MooncakeStoreScheduler.build_connector_meta",
+        connector="MooncakeStoreConnector"),
+    KnownDefect(
         "lmcache-prompt-embeds-typeerror",
         "a prompt-embeddings request (prompt_embeds, no prompt token ids) makes "
         "LMCache's build_connector_meta raise TypeError out of the scheduler step",

@@ -295,3 +295,20 @@ def test_page_lists_the_ten_slowest_tests_slowest_first(tmp_path) -> None:
     assert rows[0] == "| 12.0 | passed | `suites/contract/test_x.py::test_12` |"
     assert rows[-1] == "| 3.0 | passed | `suites/contract/test_x.py::test_3` |"
     assert "test_skip" not in section and "The 10 slowest tests" in page
+
+
+def test_a_pass_whose_store_faults_met_another_writer_says_so(tmp_path) -> None:
+    """Store-fault tests skipped for another writer in the store folder: the
+    PASS line counts them (no store fault was injected)."""
+    from tvc.contract.faults import ForeignWriter
+
+    skip = _t("c::test_store_fault_is_reported_never_silent[cpu-lose]", "skipped")
+    skip["message"] = str(ForeignWriter(tmp_path / "x.bin", "changed"))
+    s = _summary([_t("a::t", "passed"), skip],
+                 {"outcome": "passed", "exit_status": 0})
+    word, why = sp.verdict(s)
+    assert word == "PASS", (word, why)
+    assert why.endswith("1 store-fault test(s) skipped: another program wrote in the "
+                        "store folder, so no store fault was injected"), why
+    skip["message"] = "no CUDA GPU"
+    assert "store-fault" not in sp.verdict(s)[1]

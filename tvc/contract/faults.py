@@ -476,7 +476,7 @@ class ForeignWriter(Exception):  # noqa: N818 - reads as what was found
     def __init__(self, path: Path, why: str) -> None:
         """Name the file and why it counts as another writer's."""
         super().__init__(
-            f"store fault not injected: {path} {why}; the store-fault tests damage "
+            f"{run_store.FOREIGN_WRITER}: {path} {why}; the store-fault tests damage "
             "only files the connector under test wrote in this run, and another "
             "writer's files are left as they are (stop the other program, or give "
             "the connector a store folder of its own)")

@@ -363,6 +363,9 @@ def _written_now(root: Path, watch_s: float | None = None) -> Path | None:
             return changed[0] if changed else None
 
 
+#: how a store-fault test that met another writer in the store folder skips
+#: (:class:`tvc.contract.faults.ForeignWriter`; the verdict line counts them)
+FOREIGN_WRITER = "store fault not injected"
 # session store root -> a file another program changed in it (seen by the store
 # fault injector): the folder is kept at the end, not removed with that file
 _FOREIGN: dict[Path, Path] = {}

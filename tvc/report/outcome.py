@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from tvc.core.run_store import FOREIGN_WRITER
+
 # pytest's exit codes (_pytest.config.ExitCode) as the run's outcome word
 OUTCOME_BY_EXIT = {0: "passed", 1: "failed", 2: "interrupted", 3: "internal_error",
                    4: "usage_error", 5: "no_tests"}
@@ -135,13 +137,18 @@ def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
     if status not in (0, 5):
         return "INCOMPLETE", (f"{reason or f'exit {status}'}; nothing was "
                               "certified")
+    foreign = sum(1 for t in s.get("tests") or () if t.get("outcome") == "skipped"
+                  and FOREIGN_WRITER in str(t.get("message", "")))
+    unfaulted = (f"; {foreign} store-fault test(s) skipped: another program wrote "
+                 "in the store folder, so no store fault was injected"
+                 if foreign else "")
     if not c.get("passed"):
         return "NOTHING PASSED", ("every test was skipped, deselected or a known "
-                                  "upstream defect (xfailed)")
+                                  f"upstream defect (xfailed){unfaulted}")
     known = (f", {c['xfailed']} known upstream defect(s) (xfailed)"
              if c.get("xfailed") else "")
     return "PASS", (f"{c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped"
-                    f"{known}")
+                    f"{known}{unfaulted}")
 
 
 def headline(s: Mapping[str, Any]) -> str:

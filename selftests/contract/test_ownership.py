@@ -225,7 +225,7 @@ PATH_FORMS = [
     ("file:{S}/u", "{S}/u"), ("file://{S}/../u", None),
     ("file://tmp/kv", None), ("file:kv", None), ("file://{S}/a%20b", None),
     ("file://localhost/var/tmp/kv", None), ("${{SCRATCH}}/x/../y", "{S}/y"),
-    ("{S}/../{S}/kv", None),
+    ("{S}/../{S}/kv", None), (" {S}/kv", None), ("kv ", None),
 ]
 
 

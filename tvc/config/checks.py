@@ -433,12 +433,17 @@ def resolve_store_path(value: str, form: str, scratch: Path) -> tuple[Path, str]
         ``./file:/x`` in the working folder; LMCache's ``local_disk`` takes both).
 
     Raises:
-        Refusal: a NUL byte, a URL of another host, with a query, fragment or %-escape,
-            or not absolute; an unknown user; longer than a path can be.
+        Refusal: a NUL byte, white space around it, a URL of another host, with a
+            query, fragment or %-escape, or not absolute; an unknown user; longer
+            than a path can be.
 
     """
     if "\0" in value:
         raise Refusal(f"{shorten(value)} contains a NUL byte")
+    if value != value.strip():
+        raise Refusal(f"{shorten(value)} starts or ends with white space, so "
+                      "the connector would read another path (a folder named "
+                      "' ' under the working folder); remove it")
     text = value
     if form == "url":
         try:

@@ -150,6 +150,17 @@ def test_text_is_never_cut_mid_word(limit) -> None:
     assert cut("a\nb   c", 20) == "a b c"
 
 
+def test_a_cut_message_keeps_its_fix() -> None:
+    """The ``Fix:`` sentence at the end of a long red survives the cut."""
+    why = "the store reports direct_io=True, but " + "pages sat in the cache " * 30
+    fix = "Fix: open the pool with O_DIRECT, or report direct_io=False."
+    out = cut(f"{why}. {fix}", 400)
+    assert len(out) <= 400 and out.endswith("… " + fix), out
+    assert out.startswith("the store reports direct_io=True, but pages"), out
+    long_fix = "Fix: " + "do this " * 40  # more than half the limit: cut as text
+    assert cut(f"{why}. {long_fix}", 400).endswith("…")
+
+
 def test_a_long_message_is_cut_at_a_word_on_the_page(tmp_path) -> None:
     word = "supercalifragilistic"
     msg = " ".join([word] * 60)  # 1259 characters

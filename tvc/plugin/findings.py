@@ -522,11 +522,15 @@ def cut(text: str, limit: int = 400) -> str:
     """``text`` on one line, at most ``limit`` characters (``…`` included).
 
     Cut at the last whitespace that fits; a single word longer than ``limit`` is cut
-    inside it.
+    inside it. A closing ``Fix: ...`` sentence past the cut is kept after the ``…``
+    when it fits in half of ``limit``.
     """
     flat = " ".join(str(text).split())
     if len(flat) <= limit:
         return flat
+    fix = flat.rfind("Fix: ")
+    if fix > 0 and len(flat) - fix <= limit // 2:
+        return cut(flat[:fix], limit - (len(flat) - fix) - 1) + " " + flat[fix:]
     head = flat[:max(limit - 1, 0)]
     space = head.rfind(" ")
     if space > 0 and flat[len(head)] != " ":

@@ -1414,9 +1414,11 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                         # failures; name each (the group's message names none)
                         parts = [f"{i}. {type(e).__name__}: {e}"
                                  for i, e in enumerate(members, 1)]
+                        first = str(members[0]).split("\n", 1)[0]
                         raise AssertionError(
                             f"the exploration found {len(parts)} distinct "
-                            "failures:\n" + "\n".join(parts)) from exc
+                            f"failures; the first: {first}\n"
+                            + "\n".join(parts)) from exc
                     raise
             else:  # pragma: no cover
                 run_state_machine_as_test(make_machine(new_explorer, family),

@@ -351,6 +351,11 @@ def test_scenario_rig_cpu_variants_are_deselected_only_for_cuda_only_on_a_gpu(
     assert keep == items[:2] and dropped == {"cpu": [items[2]]}
     keep, dropped = split(items, ["cpu", "cuda"], gpu_here=True)
     assert keep == items and not dropped
+    # a CPU-only worker: its [cuda] rig variants would skip everywhere, so a CPU
+    # box's scope never counts them as "not run for lack of a GPU"
+    for gpu in (True, False):
+        keep, dropped = split(items, ["cpu"], gpu_here=gpu)
+        assert keep == [items[0], items[2]] and dropped == {"cuda": [items[1]]}
 
 
 # ------------------------------------------------------------------- interrupts

@@ -249,7 +249,8 @@ def split_device_variants(items: Sequence[pytest.Item],
 
     ``worker_devices`` is ``connector.worker_devices``; ``gpu_here``: the box has a
     CUDA GPU. Returns (kept items, device -> deselected items); a ``make_rig`` ``[cpu]``
-    variant goes only for a CUDA-only worker where a GPU is here.
+    variant goes only for a CUDA-only worker where a GPU is here, a ``[cuda]`` one
+    wherever ``worker_devices`` lacks cuda (its fixture would skip it everywhere).
     """
     keep: list[pytest.Item] = []
     dropped: dict[str, list[pytest.Item]] = {}
@@ -260,7 +261,8 @@ def split_device_variants(items: Sequence[pytest.Item],
         rig = device_of(item, RIG_PARAM)
         if dev is not None and dev not in allowed:
             dropped.setdefault(dev, []).append(item)
-        elif rig == "cpu" and cuda_only:
+        elif (rig == "cpu" and cuda_only) or (rig == "cuda" and "cuda" not in
+                                               allowed):
             dropped.setdefault(rig, []).append(item)
         else:
             keep.append(item)

@@ -31,9 +31,7 @@ def _create(profile, scratch, ktc) -> str:
         raise  # the suite cannot drive this vLLM: an error, not the answer
     except Exception as exc:  # noqa: BLE001 - any creation failure is the answer
         return f"{type(exc).__name__}: {exc}"
-    if rig.scheduler.connector is not None and hasattr(rig.scheduler.connector,
-                                                       "shutdown"):
-        rig.scheduler.connector.shutdown()
+    rig.close()
     return ""
 
 

@@ -177,8 +177,10 @@ def test_async_load_completes_through_finished_receiving(rig_factory,
 
 
 def test_connector_metadata_survives_scheduler_to_worker_serialization(
-        rig_factory) -> None:
-    rig = rig_factory(block_size=16, scheduler_only=True)
+        rig_factory, contract_profile) -> None:
+    # the scheduler side alone, unless it asks its worker for every lookup
+    alone = not contract_profile["connector"]["lookups_need_worker"]
+    rig = rig_factory(block_size=16, scheduler_only=alone)
     rig.driver.serialize = False  # check each metadata here, not in the driver
     _store_then_replay(rig, 3 * 16 + 7)
     assert rig.driver.metas, "the scheduler produced no connector metadata"

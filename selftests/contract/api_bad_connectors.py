@@ -269,3 +269,56 @@ class PushNeverDrainsConnector(PushDrainsLaterConnector):
     ever: vLLM's engine never goes idle."""
 
     PUSH_STEPS = 10**9
+
+
+class WorkerLookupConnector(ReportingExampleConnector):
+    """Correct, Mooncake's shape: the worker serves lookups on a Unix socket under
+    ``VLLM_RPC_BASE_PATH`` named by host only; the scheduler side connects to it
+    when built (vLLM builds the workers first) and asks it on every lookup, which
+    must reach this engine's worker."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None
+                 ) -> None:
+        import socket
+        import threading
+
+        from vllm import envs
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorRole,
+        )
+
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._engine = str(vllm_config.kv_transfer_config.engine_id)
+        path = os.path.join(envs.VLLM_RPC_BASE_PATH,
+                            f"tvc-lookup-{socket.gethostname()}")
+        if role == KVConnectorRole.WORKER:
+            if os.path.exists(path):
+                os.unlink(path)
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(path)
+            server.listen()
+
+            def serve() -> None:
+                while True:
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.recv(64)
+                        conn.sendall(self._engine.encode())
+
+            threading.Thread(target=serve, daemon=True).start()
+        else:
+            assert os.path.exists(path), (
+                f"no lookup server at {path}: the scheduler was built before the "
+                "worker")
+            self._path = path
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        import socket
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(self._path)
+            s.sendall(b"lookup")
+            engine = s.recv(64).decode()
+        assert engine == self._engine, (
+            f"the lookup reached engine {engine}'s worker, not {self._engine}'s")
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)

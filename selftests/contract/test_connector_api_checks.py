@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,17 @@ def test_push_work_is_drained_before_the_replay(tmp_path) -> None:
     (t,) = [t for t in summary["tests"] if "stats" in t["nodeid"]]
     assert t["outcome"] == "passed", t
     assert t["properties"]["scenario"]["hit_tokens"] > 0, t
+
+
+def test_a_worker_serving_lookups_is_built_first_and_is_the_rigs_own(
+        tmp_path) -> None:
+    """The worker side before the scheduler side (``EngineCore.__init__``), and a
+    ``VLLM_RPC_BASE_PATH`` folder per rig: lookups over a socket named by host only
+    reach this rig's worker, in every test of one process."""
+    proc, summary = _run("WorkerLookupConnector", "(stats or events or reset) and cpu",
+                         tmp_path)
+    assert proc.returncode == 0, _out(proc)
+    outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in summary["tests"]}
+    assert list(outcomes.values()).count("passed") == 3, outcomes
+    assert not list(Path(tempfile.gettempdir()).glob("tvc-rpc-*/tvc-lookup-*")), \
+        "a rig's IPC folder was left behind"

@@ -1414,10 +1414,10 @@ def explore(new_explorer: Callable[[str], Explorer], family: Family, *,
                         # failures; name each (the group's message names none)
                         parts = [f"{i}. {type(e).__name__}: {e}"
                                  for i, e in enumerate(members, 1)]
-                        first = str(members[0]).split("\n", 1)[0]
+                        head = str(members[0]).split("\n", 1)[0]
                         raise AssertionError(
                             f"the exploration found {len(parts)} distinct "
-                            f"failures; the first: {first}\n"
+                            f"failures; the first: {head}\n"
                             + "\n".join(parts)) from exc
                     raise
             else:  # pragma: no cover

@@ -96,16 +96,20 @@ class Rig(SchedulerSideMixin):
 
     #: idents of the threads alive before the rig was built
     threads_before: frozenset[int] = frozenset()
+    closed: bool = False
 
     def close(self) -> None:
         """Shut the worker and scheduler-side connector down; drop the IPC folder.
 
-        Best effort: a connector's error at shutdown is ignored. Connectors whose
+        Once; best effort: a connector's error at shutdown is ignored. Connectors whose
         shutdown leaves threads running are kept referenced until the process
         exits, as in vLLM, where ``shutdown`` runs as the worker process ends
         (``KVConnectorBase_V1.shutdown``): collecting them early can block for
         ever (a ZMQ context whose socket a thread still reads waits in ``term``).
         """
+        if self.closed:
+            return
+        self.closed = True
         conns = (self.scheduler.connector, getattr(self.worker, "connector", None))
         closers = [getattr(self.worker, "close", None)]
         if closers[0] is None:

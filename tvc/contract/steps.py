@@ -446,13 +446,8 @@ HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 def close_rig(rig: Rig) -> None:
-    """Shut a rig's worker down (its KV tensors, vLLM's distributed state).
-
-    The scheduler-side connector is left to the fixture's teardown.
-    """
-    closer = getattr(rig.worker, "close", None)
-    if callable(closer):
-        closer()
+    """Close a rig before the next is built (:meth:`tvc.contract.rig.Rig.close`)."""
+    rig.close()
 
 
 SKIP_READING = {

@@ -301,6 +301,15 @@ def test_a_failed_async_load_of_an_ended_request_marks_no_block_later() -> None:
     assert res["failed_loads_reported"] >= 2, res
 
 
+def test_a_replay_of_a_replay_never_outgrows_the_preemption_pool() -> None:
+    """A CI red of panel member sync-16: a replayed prompt grew past what the
+    preemption family's pool holds with its decode, and the drain blamed the
+    connector. Replays are cut to the explorer's longest prompt."""
+    res = _replay(HERE / "replays" / "replay_beyond_the_pool.py", HERE)
+    assert res["outcome"] == "green", res
+    assert res["longest"] + 24 <= res["usable"], res  # with the decode of 24
+
+
 @pytest.mark.parametrize(("cls", "red"), [("BadSavesFailedLoadConnector", True),
                                           ("MemoryConnector", False)])
 def test_a_save_of_a_failed_loads_blocks_is_named(cls: str, red: bool,

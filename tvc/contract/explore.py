@@ -283,6 +283,10 @@ class Explorer:
         self.ns = f"{run_seed()}-{next(_NAMESPACES)}"
         b = BLOCK_SIZE
         max_len = (MAX_CHUNKS + lead_chunks) * chunk + b + 1
+        #: the longest prompt (a replay of a replay is cut to it): with its
+        #: decode it fits the preemption family's pool, as vLLM's startup check
+        #: makes max_model_len fit the KV cache
+        self.max_len = max_len
         per_req = -(-(max_len + MAX_DECODE) // b)
         self.num_blocks = (per_req + 3 if family.preemption
                            else MAX_SEQS * (per_req + 1) * 2 + 8)
@@ -444,8 +448,8 @@ class Explorer:
         rng = random.Random(f"{self.ns}-{idx}")
         if replay_of is not None and self.prompts:
             src = self.prompts[replay_of % len(self.prompts)]
-            toks = list(src) + [rng.randrange(10, TINY_VOCAB_SIZE)
-                                for _ in range(tail - 1)]
+            toks = (list(src) + [rng.randrange(10, TINY_VOCAB_SIZE)
+                                 for _ in range(tail - 1)])[:self.max_len]
             n = len(toks)
             self.stats.shared_prefix += 1
         else:

@@ -191,8 +191,55 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path: Path) -> None:
     assert first.returncode == 0, out[-2000:]
     summary = json.loads((report / "summary.json").read_text())
     assert summary["counts"]["passed"] == 3 and len(summary["tests"]) == 3
-    # the lock goes with the run: the folder is reusable now
+    # the lock goes with the run: no lock file is left, the folder is reusable now
+    assert not (report / run_folder.LOCK_NAME).exists()
     assert _pytest(tmp_path, f"--tvc-report-dir={report}").returncode == 0
+    assert not (report / run_folder.LOCK_NAME).exists()
+
+
+def test_a_lock_file_removed_by_the_run_before_is_not_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run before releases (removes) the lock file between this run's open and
+    # flock: this run must lock the folder's new lock file, not the removed one
+    folder = tmp_path / "r"
+    _, before = run_folder.open_run_dir(folder, fresh=False)
+    flock, calls = run_folder.fcntl.flock, []
+
+    def released_in_between(fd: int, op: int) -> None:
+        if not calls:
+            run_folder.release(before, folder)
+        calls.append(fd)
+        flock(fd, op)
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", released_in_between)
+    _, fd = run_folder.open_run_dir(folder, fresh=False)
+    monkeypatch.undo()
+    try:
+        assert len(calls) == 2  # the removed file's lock was let go, a new one taken
+        assert os.path.samestat(os.fstat(fd), os.stat(folder / run_folder.LOCK_NAME))
+        with pytest.raises(run_folder.RunFolderUnusable, match="in use by another"):
+            run_folder.open_run_dir(folder, fresh=False)
+    finally:
+        run_folder.release(fd, folder)
+    assert not (folder / run_folder.LOCK_NAME).exists()
+
+
+def test_a_reused_folder_loses_the_earlier_runs_files_not_the_users(
+        tmp_path: Path) -> None:
+    folder, user = tmp_path / "r", tmp_path / "user"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs" / "vllm-server.log").write_text("the earlier run's server")
+    (folder / "summary.json").write_text(json.dumps(
+        {"run": {}, "counts": {}, "tests": []}))
+    (folder / "failures.md").write_text("earlier failures")
+    (folder / "notes.md").write_text("a user's notes")
+    user.mkdir()
+    (user / "keep.txt").write_text("kept")
+    (folder / "e2e").symlink_to(user)  # a link the earlier run did not make
+    _, fd = run_folder.open_run_dir(folder, fresh=False)
+    run_folder.release(fd, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.md"]
+    assert (user / "keep.txt").read_text() == "kept"
 
 
 # ------------------------------------------------------------------ tvc summary

@@ -575,7 +575,7 @@ def _open_run_folder(config: pytest.Config, profile: Any, require: set[str],
     except run_folder.RunFolderUnusable as exc:
         raise pytest.UsageError(f"{where}: cannot write reports: {exc}") from None
     config.stash[_RUN]["created_dir"] = not existed
-    config.add_cleanup(lambda: run_folder.release(lock))
+    config.add_cleanup(lambda: run_folder.release(lock, run_dir))
     if not config.option.xmlpath:
         config.option.xmlpath = str(run_dir / "junit.xml")
     from tvc.report.certification import claimed_levels

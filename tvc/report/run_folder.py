@@ -31,6 +31,11 @@ RUN_FILES = (("junit.xml", False), ("summary.json", False), ("summary.md", False
              ("summary.html", False), ("timeline.json", False),
              ("bandwidth.json", False), ("bandwidth.png", False), ("charts", True),
              ("timeline", True), ("trace", True))
+# what an earlier run in a reused folder leaves and a new run removes first (its
+# server logs, baseline, live failures, certificate): RUN_FILES and these. Other
+# names (a user's notes beside a run) are kept.
+EARLIER_RUN_FILES = (*(name for name, _ in RUN_FILES), "logs", "e2e",
+                     "failures.md", "certification.json")
 
 
 class RunFolderUnusable(ValueError):
@@ -164,6 +169,14 @@ def _lock(path: Path, stamp: bool = True) -> int:
     except OSError:
         os.close(fd)
         raise
+    try:  # the run before released it and removed the file after we opened it
+        same = os.path.samestat(os.fstat(fd), os.stat(path / LOCK_NAME,
+                                                       follow_symlinks=False))
+    except OSError:
+        same = False
+    if not same:
+        os.close(fd)
+        return _lock(path, stamp)
     if stamp:
         _stamp(fd)
     return fd
@@ -219,10 +232,42 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
                 f"{p} is {'a symbolic link' if p.is_symlink() else 'in the way'}; "
                 "the suite writes only its own files, never through a link: remove "
                 "it")
+    if not fresh and holds_suite_run(path):
+        try:
+            _clear_earlier_run(path)
+        except OSError as exc:
+            release(fd)
+            raise RunFolderUnusable(f"{path}: the earlier run's files cannot be "
+                                    f"removed ({_why(exc)})") from None
     return path, fd
 
 
-def release(fd: int) -> None:
-    """Release the folder's lock (call once, when the reports are written)."""
+def _clear_earlier_run(path: Path) -> None:
+    """Remove what an earlier run wrote (:data:`EARLIER_RUN_FILES`), links unfollowed.
+
+    Its server logs and live failures would otherwise read as this run's.
+    """
+    import shutil
+
+    for name in EARLIER_RUN_FILES:
+        p = path / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)  # removes links inside, never what they point to
+        elif p.is_symlink() or p.exists():
+            p.unlink()
+
+
+def release(fd: int, path: Path | None = None) -> None:
+    """Release the folder's lock (call once, when the reports are written).
+
+    With ``path`` (the run folder), its lock file goes too while still held, so a
+    finished folder holds only the run's files; a run that opened the file just
+    before finds it gone and takes a new one (:func:`_lock`).
+    """
+    if path is not None and fd >= 0:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), os.stat(path / LOCK_NAME,
+                                                      follow_symlinks=False)):
+                (path / LOCK_NAME).unlink()
     with contextlib.suppress(OSError):
         os.close(fd)

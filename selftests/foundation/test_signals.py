@@ -129,6 +129,10 @@ def _check_complete_run_folder(tmp_path: Path, proc: subprocess.Popen[str],
     names = {c.get("name"): c for c in cases}
     assert "test_fast" in names and names["test_fast"].find("failure") is None, (
         sorted(names))
+    # junit and summary.json list the same tests (the cut-off one by name)
+    assert set(names) - {"tvc-run-outcome"} == set(by_id), sorted(names)
+    assert {names[f"test_slow[{i}]"].find("skipped").get("type")
+            for i in range(4)} == {"tvc.not_run"}, sorted(names)
     # a gate that reads only junit.xml sees the run was stopped, not green
     stopped = names.get("tvc-run-outcome")
     assert stopped is not None and stopped.find("failure") is not None, sorted(names)

@@ -273,3 +273,25 @@ def test_failures_page_keeps_the_whole_cause_with_its_fix(tmp_path: Path) -> Non
     line = LiveReds(tmp_path, "profile example").add("a::t", "failed", msg)
     assert len(line) < 300 and line.endswith("…"), line
     assert "(end of fix)" in (tmp_path / "failures.md").read_text()
+
+
+def test_cpu_rigs_without_a_worker_here_are_not_called_cuda_variants() -> None:
+    """A CUDA-only worker's ``[cpu]`` rigs skip for want of a GPU too; the scope line
+    counts them as GPU tests, only ids with a ``cuda`` parameter as [cuda] variants."""
+    from tvc.report.scope import scope
+
+    def skipped(nodeid: str) -> dict[str, object]:
+        return {"nodeid": nodeid, "outcome": "skipped", "tiers": ["contract"],
+                "hardware": "any", "missing_hardware": "gpu"}
+
+    tests = [skipped("suites/contract/test_a.py::test_x[cuda]"),
+             skipped("suites/contract/test_a.py::test_y[cuda-prompt_logprobs]"),
+             skipped("suites/contract/test_a.py::test_x[cpu]"),
+             skipped("suites/contract/test_a.py::test_y[cpu-prompt_logprobs]"),
+             skipped("suites/contract/test_a.py::test_z[cpu-cudagraph]"),
+             {"nodeid": "suites/contract/test_b.py::test_config", "outcome": "passed",
+              "tiers": ["contract"], "hardware": "any"}]
+    got = scope({"tests": tests, "hardware": {"levels": {"gpu": False}}},
+                order=("contract",))
+    assert got["line"] == ("CPU scope: 2 [cuda] variants and 3 other GPU tests "
+                           "(contract 3) not run; certify on a GPU host"), got

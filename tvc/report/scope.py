@@ -71,11 +71,14 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
     rank = {t: i for i, t in enumerate(order)}
     tiers = sorted(present, key=lambda t: (rank.get(t, len(rank)), t))
     missing: dict[str, Counter[str]] = {}
+    variants: Counter[str] = Counter()  # per level: the [cuda] rig variants among them
     for t in tests:
         level = skipped_for(t, box)
         if level:
             tier = (t.get("tiers") or ["other"])[0]
             missing.setdefault(level, Counter())[tier] += 1
+            variants[level] += tier == DEVICE_TIER and is_cuda_variant(
+                str(t.get("nodeid", "")))
     # tests the user deselected within the tiers of the run (a tier left out
     # whole, e.g. by -m, shows as absent)
     rows = [d for d in s.get("deselected") or ()
@@ -102,7 +105,8 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
                                 and not box[lvl]), next(iter(missing)))]
     if absent:
         name += f", {' and '.join(tiers)} only"
-    clauses = [f"{_hardware_clause(lvl, missing[lvl])} not run; certify on "
+    clauses = [f"{_hardware_clause(lvl, missing[lvl], variants[lvl])} not run; "
+               f"certify on "
                f"{WHERE[lvl]}" for lvl in HW_LEVELS if lvl in missing]
     if user:
         clauses.append(f"{user} test(s) deselected ({'; '.join(why)})")
@@ -113,12 +117,26 @@ def scope(s: Mapping[str, Any], order: Sequence[str] | None = None
     return out
 
 
-def _hardware_clause(level: str, by_tier: Counter[str]) -> str:
-    """``89 [cuda] variants and 29 GPU tests (e2e 23, trace 6)``."""
+def is_cuda_variant(nodeid: str) -> bool:
+    """True for a test id with a ``cuda`` parameter (``test_x[cuda-sync]``)."""
+    params = nodeid.rpartition("::")[2].partition("[")[2].rstrip("]")
+    return "cuda" in params.split("-")
+
+
+def _hardware_clause(level: str, by_tier: Counter[str], cuda_variants: int = 0
+                     ) -> str:
+    """``89 [cuda] variants and 29 other GPU tests (contract 12, e2e 17)``.
+
+    A contract test without a ``cuda`` parameter that needed a GPU (a ``[cpu]`` rig
+    of a connector whose worker side is CUDA-only) counts as a GPU test.
+    """
     parts = []
     rest = dict(by_tier)
-    if level == "gpu" and rest.get(DEVICE_TIER):
-        parts.append(f"{rest.pop(DEVICE_TIER)} [cuda] variants")
+    if level == "gpu" and cuda_variants:
+        parts.append(f"{cuda_variants} [cuda] variants")
+        rest[DEVICE_TIER] -= cuda_variants
+        if not rest[DEVICE_TIER]:
+            del rest[DEVICE_TIER]
     if rest:
         n = sum(rest.values())
         parts.append(f"{n} {'other ' if parts else ''}{WHAT[level]} "

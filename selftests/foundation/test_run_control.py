@@ -113,6 +113,20 @@ def test_plugin_is_inert_outside_the_suite(tmp_path: Path) -> None:
                              "--help"], cwd=proj, env=env, text=True,
                             capture_output=True, timeout=300, check=False)
     assert helped.returncode == 0 and "--tvc-profile" in helped.stdout
+    # -m naming a tier of the suite, nothing collected: one line says why and how
+    tier = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "-m", "level1 and not slow", "--profile=fast"], cwd=proj,
+                          env=env, text=True, capture_output=True, timeout=300,
+                          check=False)
+    hint = [line for line in tier.stdout.splitlines() if line.startswith("tvc:")]
+    assert tier.returncode == 5 and len(hint) == 1, tier.stdout[-3000:]
+    assert "tier(s) level1 of tutti-vllm-conformance" in hint[0], hint
+    assert "--tvc-profile example" in hint[0], hint
+    assert not reports.exists()
+    other = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                            "-m", "slow", "--profile=fast"], cwd=proj, env=env,
+                           text=True, capture_output=True, timeout=300, check=False)
+    assert other.returncode == 5 and "tvc:" not in other.stdout, other.stdout
 
 
 def test_import_mode_importlib_loads_plugin_and_fixtures(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -1149,10 +1150,34 @@ def _coverage(config: pytest.Config, rep: RunReport, exitstatus: int) -> int:
     return exitstatus
 
 
+def _inert_hint(config: pytest.Config, exitstatus: int) -> str:
+    """The line for ``pytest -m level1`` that found no test: the suite did not run.
+
+    Outside its checkout the plugin stays inert unless a ``--tvc-*`` option or
+    ``TVC_PROFILE`` asks for the suite; a ``-m`` naming one of its tiers that
+    collected nothing (exit 5) gets this hint ('' otherwise).
+    """
+    if exitstatus != pytest.ExitCode.NO_TESTS_COLLECTED or hasattr(
+            config, "workerinput"):
+        return ""
+    from tvc.report.scope import tier_order
+
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", config.option.markexpr or ""))
+    named = [t for t in tier_order() if t in words]
+    if not named:
+        return ""
+    return (f"tvc: -m names the tier(s) {', '.join(named)} of tutti-vllm-conformance, "
+            "but the suite did not run here (outside its checkout it runs only when "
+            "asked): add --tvc-profile example (or your profile), or set TVC_PROFILE")
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                             config: pytest.Config) -> None:
     """Print deselected variants (xdist runs), chart notes and where the reports are."""
     if not _active(config):
+        hint = _inert_hint(config, exitstatus)
+        if hint:
+            terminalreporter.write_line(hint, yellow=True)
         return
     run = config.stash[_RUN]
     if hasattr(config, "workerinput"):

@@ -89,3 +89,26 @@ def test_a_misspelt_module_path_is_named_with_the_close_module(
         sys.path.remove(str(pkg))
     assert "Did you mean 'lagged_chunk_connector'?" in why, why
     assert "connector.module_path" in why and "adapter" not in why, why
+
+
+def test_a_whole_prompt_rule_is_blamed_not_the_connector(tmp_path: Path) -> None:
+    """Fresh-user finding: a profile whose rule claims the whole prompt at a block
+    boundary (``len // B * B``) was red as "the connector stores nothing" or "throws
+    stored KV away" on a correct ExampleConnector. Where the rule expects the whole
+    prompt and the connector answered less, the red names the rule first."""
+    prof = tmp_path / "whole.toml"
+    prof.write_text('[profile]\nname = "whole-prompt-rule"\nextends = "example"\n'
+                    '[connector]\nhit_rules = []\nhit_rule = "len // B * B"\n'
+                    'hit_rule_source = "a user\'s guess"\n')
+    run = run_suite(["suites/contract", "-m", "contract", "-k",
+                     f"({CHECK} and 16) or (granularity and cpu)",
+                     f"--tvc-profile={prof}", "-p", "no:xdist"], tmp_path / "r",
+                    timeout_s=900)
+    assert run.summary is not None, run.tail()
+    reds = {t["nodeid"]: t["message"] for t in run.summary["tests"]}
+    assert len(reds) == 2, reds
+    for nodeid, message in reds.items():
+        assert "Fix the profile's connector.hit_rule first" in message, (nodeid,
+                                                                         message)
+        assert "expects 16 tokens, the whole prompt" in message, message
+        assert "stores nothing" not in message and "throws" not in message, message

@@ -48,6 +48,16 @@ def assert_hit_matches_rule(matched: int, expected: int, prompt_len: int,
     """
     if matched == expected:
         return
+    if expected >= prompt_len > matched:  # the rule, not the connector, is wrong
+        raise AssertionError(
+            f"external hit for a {prompt_len}-token prompt at block size "
+            f"{block_size}: the profile's hit_rule {rule!r} ({source}) expects "
+            f"{expected} tokens, the whole prompt or more, but vLLM always "
+            f"computes the last prompt token (a sync load covers at most len - 1 = "
+            f"{prompt_len - 1} tokens; an async full-prompt load is cut to that); "
+            f"the connector answered {matched}. Fix the profile's connector."
+            "hit_rule first (whole blocks "
+            "of the first len - 1 tokens: (len - 1) // B * B), then rerun")
     what = ("throws stored KV away" if matched < expected
             else "claims more tokens than the declared rule allows")
     raise AssertionError(

@@ -514,6 +514,22 @@ SLOW_CLEANUP = {"conftest.py": """
             return _remove(*args, **kwargs)
 
         run_store.remove_session_stores = _slow
+
+        def _slow_exit():
+            # the worker's last steps in pytest (config clean-ups, pytest's own
+            # garbage collection for unraisable exceptions) outliving execnet's grace
+            try:
+                time.sleep(float(os.environ.get("TVC_SELFTEST_EXIT_S", "0")))
+                from tvc.plugin.hooks import _WORKER_HOLD
+
+                seen = _WORKER_HOLD[0].count if _WORKER_HOLD else "no-hold"
+            except KeyboardInterrupt:
+                seen = "KeyboardInterrupt"
+            with open(os.environ["TVC_SELFTEST_HELD"] + ".exit", "a") as f:
+                f.write(f"{os.environ['PYTEST_XDIST_WORKER']} {seen}\\n")
+
+        def pytest_configure(config):
+            config.add_cleanup(_slow_exit)  # runs after every pytest_unconfigure
     """, "test_tiny.py": """
     import pytest
 
@@ -527,10 +543,11 @@ EXECNET_GRACE_S = 5.0  # execnet's WorkerGateway._terminate_execution waits 5 s
 
 
 @needs_xdist
-@pytest.mark.parametrize("cleanup_s", [0.0, EXECNET_GRACE_S + 2],
-                         ids=["quick-cleanup", "slow-cleanup"])
+@pytest.mark.parametrize(("cleanup_s", "exit_s"), [
+    (0.0, 0.0), (EXECNET_GRACE_S + 2, 0.0), (0.0, EXECNET_GRACE_S + 2)],
+    ids=["quick-cleanup", "slow-cleanup", "slow-exit"])
 def test_an_xdist_run_without_a_signal_prints_no_sigint_line(
-        tmp_path: Path, cleanup_s: float) -> None:
+        tmp_path: Path, cleanup_s: float, exit_s: float) -> None:
     """"tvc: SIGINT while finishing" came at the end of -n 2 runs nobody signalled:
     execnet sends a worker still busy 5 s after the controller closed its gateway
     a SIGINT of its own; the worker holds it silently, only the controller (where
@@ -538,14 +555,24 @@ def test_an_xdist_run_without_a_signal_prints_no_sigint_line(
     held = tmp_path / "held.txt"
     run = run_suite([*write_tests(tmp_path / "t", SLOW_CLEANUP), "-n", "2"],
                     tmp_path / "r", env={"TVC_SELFTEST_CLEANUP_S": str(cleanup_s),
+                                         "TVC_SELFTEST_EXIT_S": str(exit_s),
                                          "TVC_SELFTEST_HELD": str(held)})
     assert run.rc == 0 and run.summary is not None, run.tail()
     assert run.summary["run"]["outcome"] == "passed"
     assert "SIGINT" not in run.stdout and "Traceback" not in run.stdout, run.tail()
+    assert "KeyboardInterrupt" not in run.stdout, run.tail()
+    assert {t["outcome"] for t in run.summary["tests"]} == {"passed"}, run.tail()
     workers = dict(line.split() for line in held.read_text().splitlines())
     assert sorted(workers) == ["gw0", "gw1"], workers  # both cleaned up
     if cleanup_s > EXECNET_GRACE_S:  # the premise: execnet's SIGINT did arrive
         assert set(workers.values()) == {"1"}, workers
+    if exit_s > EXECNET_GRACE_S:  # ... after pytest_unconfigure: held until exit
+        deadline = time.monotonic() + 30  # the workers' atexit may outlive the run
+        while len(exits := dict(line.split() for line in Path(f"{held}.exit")
+                                .read_text().splitlines())) < 2:
+            assert time.monotonic() < deadline, exits
+            time.sleep(0.2)
+        assert set(exits.values()) == {"1"}, exits
 
 
 THREAD_TESTS = {"test_threads.py": """

@@ -968,6 +968,8 @@ def _hold(config: pytest.Config) -> run_control.HoldInterrupts:
     return run["hold"]
 
 
+_WORKER_HOLD: list[run_control.HoldInterrupts] = []  # an xdist worker's, at its end
+
 # The suite's configs in this process (pytester nests them). Process-wide on purpose:
 # pytest_runtest_logreport and pytest_keyboard_interrupt get no config argument, and
 # a Ctrl-C must reach every open run. The run state itself is on each config.stash.
@@ -1026,9 +1028,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Hold Ctrl-C back while xdist stops its workers and the reports are written."""
-    if _active(session.config) and not hasattr(session.config, "workerinput"):
+    """Hold Ctrl-C back while xdist stops its workers and the reports are written.
+
+    An xdist worker, its tests done, holds SIGINT silently until it exits: a SIGINT
+    then is execnet's (sent to a worker still busy 5 s after the controller closed
+    it), and raised anywhere, even in a garbage-collector callback, it printed a
+    traceback into a green run. A third one still aborts.
+    """
+    if not _active(session.config):
+        return
+    if not hasattr(session.config, "workerinput"):
         _hold(session.config)
+    elif not _WORKER_HOLD:
+        hold = run_control.HoldInterrupts(announce=False, signals=(signal.SIGINT,))
+        _WORKER_HOLD.append(hold.__enter__())  # never restored: the process ends
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_sessionfinish")

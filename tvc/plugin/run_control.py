@@ -355,6 +355,10 @@ def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S
     return t
 
 
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # CI runners, Kubernetes,
+#   a closed terminal: stopped like Ctrl-C, reported as run.outcome "terminated"
+
+
 class HoldInterrupts:
     """Hold Ctrl-C (SIGINT) back while the run writes its reports.
 
@@ -367,10 +371,13 @@ class HoldInterrupts:
 
     LIMIT = 3
 
-    def __init__(self, announce: bool = True) -> None:
+    def __init__(self, announce: bool = True,
+                 signals: tuple[int, ...] = (signal.SIGINT, *TERMINATING_SIGNALS)
+                 ) -> None:
         self.count = 0
         self.signum: int | None = None
         self.announce = announce
+        self.signals = signals
         self._old: dict[int, Any] = {}
         self._armed = False
 
@@ -389,7 +396,7 @@ class HoldInterrupts:
     def __enter__(self) -> HoldInterrupts:
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.signal(sig, self._handler)
-                         for sig in (signal.SIGINT, *TERMINATING_SIGNALS)}
+                         for sig in self.signals}
             self._armed = True
         return self
 
@@ -400,8 +407,6 @@ class HoldInterrupts:
             self._armed = False
 
 
-TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # CI runners, Kubernetes,
-#   a closed terminal: stopped like Ctrl-C, reported as run.outcome "terminated"
 
 
 _STOPPED_BY: list[int] = []  # signals that stopped this process's run, in order
@@ -457,9 +462,13 @@ class TerminateLikeInterrupt:
         return bool(self._old)
 
     def restore(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back where ours are still installed.
+
+        A handler installed after ours (an xdist worker's hold at its end) stays.
+        """
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            if signal.getsignal(sig) in (self._handler, self._ctrl_c):
+                signal.signal(sig, old)
         self._old = {}
 
 

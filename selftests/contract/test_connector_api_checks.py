@@ -301,3 +301,20 @@ def test_a_worker_serving_lookups_is_built_first_and_is_the_rigs_own(
     assert list(outcomes.values()).count("passed") == 3, outcomes
     assert not list(Path(tempfile.gettempdir()).glob("tvc-rpc-*/tvc-lookup-*")), \
         "a rig's IPC folder was left behind"
+
+
+def test_a_rig_ipc_folder_left_by_a_stop_goes_at_exit(tmp_path: Path) -> None:
+    """Fresh-user finding: Ctrl-C in the contract tier left an empty ``tvc-rpc-*``
+    folder in the temp folder (a rig interrupted before its close). What a rig
+    makes, the process removes at exit at the latest."""
+    code = ("import sys; from tvc.contract import rig; made = rig._make_rpc_dir(); "
+            "closed = rig._make_rpc_dir(); rig._remove_rpc_dir(closed); "
+            "print(made, closed); sys.exit(0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,
+                          capture_output=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made, closed = (Path(p) for p in proc.stdout.split())
+    assert made.parent == tmp_path and made.name.startswith("tvc-rpc-"), made
+    assert not made.exists() and not closed.exists()
+    assert list(tmp_path.iterdir()) == []

@@ -136,3 +136,37 @@ def test_real_run_folders_merge_into_one_junit(pytester, capsys) -> None:
     assert green_suite.get("failures") == "0"
     assert int(red_suite.get("failures")) == 3
     assert int(root.get("tests")) == 5 + 1 and int(root.get("failures")) == 3
+
+
+def test_junit_of_a_stopped_run_lists_every_test_of_the_summary(tmp_path: Path
+                                                                 ) -> None:
+    """Fresh-user finding: after Ctrl-C, tests that never ran and that this box
+    would skip ([cuda] variants on a CPU box, labelled skipped in summary.json) were
+    missing from junit.xml. Every summary test is a case; pytest's nameless case of
+    the cut-off test goes; the counts follow; a second stamp changes nothing."""
+    from tvc.plugin.report import stamp_junit
+
+    path = tmp_path / "junit.xml"
+    path.write_text(
+        '<testsuites><testsuite name="pytest" tests="1" failures="0" errors="0" '
+        'skipped="0"><testcase classname="suites.contract.test_a" name="test_x[cpu]"'
+        ' time="1.0" /><testcase time="0.3" /></testsuite></testsuites>')
+    summary = {"run": {"outcome": "interrupted", "exit_status": 2},
+               "counts": {"passed": 1, "skipped": 1, "not_run": 1}, "tests": [
+                   {"nodeid": "suites/contract/test_a.py::test_x[cpu]",
+                    "outcome": "passed", "message": ""},
+                   {"nodeid": "suites/contract/test_a.py::test_x[cuda]",
+                    "outcome": "skipped", "message": "never ran (the run stopped "
+                    "first); this box would skip it: no CUDA GPU"},
+                   {"nodeid": "suites/contract/test_a.py::test_y[cpu]",
+                    "outcome": "not_run", "message": ""}]}
+    for _ in range(2):
+        stamp_junit(path, summary)
+        suite = ET.parse(path).getroot().find("testsuite")
+        cases = {c.get("name"): c for c in suite.iter("testcase")}
+        assert sorted(cases) == sorted([OUTCOME_CASE, "test_x[cpu]", "test_x[cuda]",
+                                        "test_y[cpu]"]), sorted(cases)
+        assert "would skip" in cases["test_x[cuda]"].find("skipped").get("message")
+        assert cases["test_y[cpu]"].find("skipped").get("type") == "tvc.not_run"
+        assert (suite.get("tests"), suite.get("skipped"), suite.get("failures")
+                ) == ("4", "2", "1"), suite.attrib

@@ -242,6 +242,28 @@ def test_a_reused_folder_loses_the_earlier_runs_files_not_the_users(
     assert (user / "keep.txt").read_text() == "kept"
 
 
+def test_a_folder_left_by_a_killed_run_is_reused_and_a_refusal_leaves_no_lock(
+        tmp_path: Path) -> None:
+    """Fresh-user findings: a run killed (SIGKILL) before its summary left its lock
+    file and a live failures.md, and the folder was refused as "holds no earlier
+    run"; a start-up refused for a link where a report goes left the lock file."""
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    (folder / run_folder.LOCK_NAME).write_text('{"pid": 999999}')  # not held
+    (folder / "failures.md").write_text("live: the run is going on")
+    (folder / "notes.txt").write_text("a user's notes")
+    _, fd = run_folder.open_run_dir(folder, fresh=False)
+    run_folder.release(fd, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    (folder / "summary.json").write_text(json.dumps(
+        {"run": {}, "counts": {}, "tests": []}))  # as the new run would leave it
+    (folder / "charts").symlink_to(tmp_path)
+    with pytest.raises(run_folder.RunFolderUnusable, match="charts is a symbolic"):
+        run_folder.open_run_dir(folder, fresh=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["charts", "notes.txt",
+                                                        "summary.json"]
+
+
 # ------------------------------------------------------------------ tvc summary
 
 def test_tvc_summary_bounds_its_input(tmp_path: Path,

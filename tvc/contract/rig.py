@@ -5,6 +5,7 @@ Also the hypothesis settings profile (``tvc-ci``) used by the contract tier.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -121,10 +122,34 @@ class Rig(SchedulerSideMixin):
                 with contextlib.suppress(Exception):
                     close()
         if self.rpc_dir is not None:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            _remove_rpc_dir(self.rpc_dir)
         if any(t.ident not in self.threads_before for t in threading.enumerate()):
             _KEPT_UNTIL_EXIT.append(conns)
 
+
+
+_RPC_DIRS: set[Path] = set()  # this process's rig IPC folders not yet removed
+
+
+def _remove_rpc_dirs() -> None:
+    """At exit: the IPC folders of rigs a stop (Ctrl-C) left unclosed."""
+    for path in list(_RPC_DIRS):
+        _remove_rpc_dir(path)
+
+
+def _make_rpc_dir() -> Path:
+    """A fresh IPC folder for one rig (``tvc-rpc-*`` in the temp folder)."""
+    if not _RPC_DIRS:
+        atexit.unregister(_remove_rpc_dirs)
+        atexit.register(_remove_rpc_dirs)
+    path = Path(tempfile.mkdtemp(prefix="tvc-rpc-"))
+    _RPC_DIRS.add(path)
+    return path
+
+
+def _remove_rpc_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _RPC_DIRS.discard(path)
 
 
 def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
@@ -183,7 +208,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
         raise NoWorkerHere(msg)
     rpc_dir = None
     if RPC_ENV not in env:  # IPC sockets named from it are this rig's alone
-        rpc_dir = Path(tempfile.mkdtemp(prefix="tvc-rpc-"))
+        rpc_dir = _make_rpc_dir()
         env[RPC_ENV] = str(rpc_dir)
     try:
         with vllm_env(env):
@@ -204,7 +229,7 @@ def make_rig(profile: Profile, scratch: Path, *, device: str = "cpu",
                 worker = load_worker_report(spec, vc, kcc, sched.connector)
     except BaseException:
         if rpc_dir is not None:
-            shutil.rmtree(rpc_dir, ignore_errors=True)
+            _remove_rpc_dir(rpc_dir)
         raise
     driver = EngineDriver(sched, worker=worker, worker_report=spec,
                           no_worker_reason=why, scheduler_only=scheduler_only,

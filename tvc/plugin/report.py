@@ -401,13 +401,14 @@ def stamp_suite(suite: ET.Element, summary: dict[str, Any]) -> None:
 
 
 def add_not_run(suites: list[ET.Element], summary: dict[str, Any]) -> None:
-    """Give every test that never ran its ``<testcase>``, so junit and summary agree.
+    """Give every test of ``summary`` its ``<testcase>``, so junit and summary agree.
 
     pytest's JUnit file of an interrupted run lists only the tests that reported,
     plus a ``<testcase>`` with no name for the test cut off in its call (its setup's
-    duration). That one goes; each ``not_run`` test of ``summary`` missing from
-    ``suites`` is added to the first as skipped (as :func:`write_fallback_junit`
-    writes it), and the counts follow. Idempotent.
+    duration). That one goes; each test of ``summary`` missing from ``suites`` (never
+    run, or never run and labelled skipped where this box would skip it) is added to
+    the first as :func:`write_fallback_junit` writes it, and the counts follow.
+    Idempotent.
     """
     have = set()
     for suite in suites:
@@ -415,20 +416,31 @@ def add_not_run(suites: list[ET.Element], summary: dict[str, Any]) -> None:
             if case.get("name") is None and not len(case):
                 suite.remove(case)
             have.add((case.get("classname"), case.get("name")))
-    added = 0
+    added = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for t in sorted(summary.get("tests") or [], key=lambda t: str(t.get("nodeid"))):
-        if not isinstance(t, dict) or t.get("outcome") != "not_run":
+        if not isinstance(t, dict):
             continue
         nodepath, _, name = str(t.get("nodeid", "")).rpartition("::")
         if (junit_classname(nodepath), name) in have:
             continue
         case = ET.SubElement(suites[0], "testcase", classname=junit_classname(
-            nodepath), name=name, time="0")
-        ET.SubElement(case, "skipped", type="tvc.not_run", message=str(
-            t.get("message") or "not run: the run stopped first")[:2000])
-        added += 1
-    for attr in ("tests", "skipped"):
-        suites[0].set(attr, str(int(suites[0].get(attr, "0") or 0) + added))
+            nodepath), name=name, time=str(t.get("duration_s") or 0))
+        added["tests"] += 1
+        o, message = t.get("outcome"), str(t.get("message") or "")[:2000]
+        if o == "failed":
+            ET.SubElement(case, "failure", message=message)
+            added["failures"] += 1
+        elif o == "error":
+            ET.SubElement(case, "error", message=message)
+            added["errors"] += 1
+        elif o in ("skipped", "not_run", "xfailed"):
+            skip = ET.SubElement(case, "skipped", message=message or (
+                "not run: the run stopped first"))
+            if o == "not_run":
+                skip.set("type", "tvc.not_run")
+            added["skipped"] += 1
+    for attr, n in added.items():
+        suites[0].set(attr, str(int(suites[0].get(attr, "0") or 0) + n))
 
 
 def stamp_junit(path: Path, summary: dict[str, Any]) -> None:
@@ -451,7 +463,7 @@ def stamp_junit(path: Path, summary: dict[str, Any]) -> None:
     if suites:
         add_not_run(suites, summary)
     if root.tag == "testsuites":
-        for attr in ("tests", "failures", "skipped"):
+        for attr in ("tests", "failures", "errors", "skipped"):
             if root.get(attr) is not None:
                 root.set(attr, str(sum(int(s.get(attr, "0") or 0) for s in suites)))
     write_file(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))

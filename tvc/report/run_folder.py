@@ -95,11 +95,17 @@ def default_run_dir(profile_name: str, selftests: bool = False,
 
 
 def holds_suite_run(path: Path) -> bool:
-    """True when ``path/summary.json`` is one this suite wrote.
+    """True when ``path`` holds a run of this suite.
 
-    A JSON object with ``run``, ``counts`` and ``tests``.
+    Its ``summary.json`` is a JSON object with ``run``, ``counts`` and ``tests``, or
+    the folder holds the suite's lock file (a regular file, not a link): a run killed
+    before it wrote its summary (SIGKILL, out of memory) leaves that.
     """
     from tvc.core.files import read_json
+
+    lock = path / LOCK_NAME
+    if lock.is_file() and not lock.is_symlink():
+        return True
 
     try:
         data = read_json(path / "summary.json")
@@ -215,7 +221,7 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
                 fd = _lock(path, stamp=False)
             why = check_run_dir(path)
             if why:
-                release(fd)
+                release(fd, path)
                 raise RunFolderUnusable(why)
             if fd >= 0:
                 _stamp(fd)
@@ -227,7 +233,7 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
     for name, folder in RUN_FILES:  # a link in the way: refused now, not mid-run
         p = path / name
         if p.is_symlink() or (p.exists() and p.is_dir() != folder):
-            release(fd)
+            release(fd, path)
             raise RunFolderUnusable(
                 f"{p} is {'a symbolic link' if p.is_symlink() else 'in the way'}; "
                 "the suite writes only its own files, never through a link: remove "
@@ -236,7 +242,7 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
         try:
             _clear_earlier_run(path)
         except OSError as exc:
-            release(fd)
+            release(fd, path)
             raise RunFolderUnusable(f"{path}: the earlier run's files cannot be "
                                     f"removed ({_why(exc)})") from None
     return path, fd

@@ -249,6 +249,10 @@ class StepRecord:
     scheduled: dict[str, int]
     meta_type: str
     finished: list[str]
+    #: each scheduled request's num_computed_tokens once the step ran, as vLLM's
+    #: scheduler set it at schedule time (``_update_after_schedule``), kept even
+    #: where ``update_from_output`` then rolled it back (a failed KV load)
+    computed: dict[str, int] = field(default_factory=dict)
 
 
 #: seconds a step waits, past the step limit, for a transfer in flight
@@ -381,6 +385,9 @@ class EngineDriver:
         try:
             with deadline(self.call_timeout_s, self._stuck):
                 so = self.scheduler.schedule()
+                computed = {rid: self.scheduler.requests[rid].num_computed_tokens
+                            for rid in so.num_scheduled_tokens
+                            if rid in self.scheduler.requests}
                 self.coverage.loading = self._load_pending()
                 self.coverage.preempted = bool(getattr(so, "preempted_req_ids",
                                                        None))
@@ -411,7 +418,7 @@ class EngineDriver:
                 f"engine step. {advice}") from exc
         self.history.append(StepRecord(dict(so.num_scheduled_tokens),
                                        type(so.kv_connector_metadata).__name__,
-                                       sorted(so.finished_req_ids)))
+                                       sorted(so.finished_req_ids), computed))
         return so
 
     def _stuck(self, seconds: float, frame: Any, outer: bool) -> str:

@@ -839,10 +839,17 @@ class Explorer:
         self._count()
 
     def _count(self) -> None:
-        """Track computed tokens and preemptions (also when a step failed)."""
+        """Track computed tokens and preemptions (also when a step failed).
+
+        Tokens a step computed count even where vLLM then rolled the request back
+        (a reported load failure): the worker wrote their KV, and a connector
+        that saved it stored what was computed.
+        """
+        history = self.rig.driver.history
+        ran = history[-1].computed if history else {}
         for rid, r in self.reqs.items():
             self.max_computed[rid] = max(self.max_computed.get(rid, 0),
-                                         r.num_computed_tokens)
+                                         r.num_computed_tokens, ran.get(rid, 0))
             if r.num_preemptions and r.num_preemptions > (
                     self.max_computed.get(("p", rid), 0)):  # type: ignore[arg-type,call-overload]
                 self.stats.preemptions += 1

@@ -568,8 +568,9 @@ def test_an_xdist_run_without_a_signal_prints_no_sigint_line(
         assert set(workers.values()) == {"1"}, workers
     if exit_s > EXECNET_GRACE_S:  # ... after pytest_unconfigure: held until exit
         deadline = time.monotonic() + 30  # the workers' atexit may outlive the run
-        while len(exits := dict(line.split() for line in Path(f"{held}.exit")
-                                .read_text().splitlines())) < 2:
+        done = Path(f"{held}.exit")  # written by each worker as it ends
+        while len(exits := dict(line.split() for line in (
+                done.read_text() if done.exists() else "").splitlines())) < 2:
             assert time.monotonic() < deadline, exits
             time.sleep(0.2)
         assert set(exits.values()) == {"1"}, exits

@@ -137,11 +137,11 @@ def _remove_rpc_dirs() -> None:
         _remove_rpc_dir(path)
 
 
+atexit.register(_remove_rpc_dirs)
+
+
 def _make_rpc_dir() -> Path:
     """A fresh IPC folder for one rig (``tvc-rpc-*`` in the temp folder)."""
-    if not _RPC_DIRS:
-        atexit.unregister(_remove_rpc_dirs)
-        atexit.register(_remove_rpc_dirs)
     path = Path(tempfile.mkdtemp(prefix="tvc-rpc-"))
     _RPC_DIRS.add(path)
     return path

@@ -340,27 +340,38 @@ def write_fallback_junit(rep: RunReport, exitstatus: int, suite_name: str,
         ET.SubElement(props, "property", name=name, value=value)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for t in sorted(rep.tests.values(), key=lambda t: t["nodeid"]):
-        nodepath, _, name = t["nodeid"].rpartition("::")
-        case = ET.SubElement(suite, "testcase", classname=junit_classname(nodepath),
-                             name=name, time=str(t["duration_s"]))
-        counts["tests"] += 1
-        o = t["outcome"]
-        if o == "failed":
-            ET.SubElement(case, "failure", message=t["message"][:2000])
-            counts["failures"] += 1
-        elif o == "error":
-            ET.SubElement(case, "error", message=t["message"][:2000])
-            counts["errors"] += 1
-        elif o in ("skipped", "not_run", "xfailed"):
-            ET.SubElement(case, "skipped", message=t["message"][:2000] or
-                          "not run: the run stopped first")
-            counts["skipped"] += 1
+        _add_case(suite, t, counts)
     for k, v in counts.items():
         suite.set(k, str(v))
     path = path or rep.run_dir / "junit.xml"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
     return path
+
+
+def _add_case(suite: ET.Element, t: dict[str, Any], counts: dict[str, int]) -> None:
+    """Append one summary test as a ``<testcase>``; count it in ``counts``.
+
+    ``failed`` / ``error`` get a ``<failure>`` / ``<error>``; ``skipped``, ``xfailed``
+    and ``not_run`` a ``<skipped>`` (``type="tvc.not_run"`` for the last).
+    """
+    nodepath, _, name = str(t.get("nodeid", "")).rpartition("::")
+    case = ET.SubElement(suite, "testcase", classname=junit_classname(nodepath),
+                         name=name, time=str(t.get("duration_s") or 0))
+    counts["tests"] += 1
+    o, message = t.get("outcome"), str(t.get("message") or "")[:2000]
+    if o == "failed":
+        ET.SubElement(case, "failure", message=message)
+        counts["failures"] += 1
+    elif o == "error":
+        ET.SubElement(case, "error", message=message)
+        counts["errors"] += 1
+    elif o in ("skipped", "not_run", "xfailed"):
+        skip = ET.SubElement(case, "skipped", message=message or (
+            "not run: the run stopped first"))
+        if o == "not_run":
+            skip.set("type", "tvc.not_run")
+        counts["skipped"] += 1
 
 
 def junit_classname(path: str) -> str:
@@ -400,7 +411,7 @@ def stamp_suite(suite: ET.Element, summary: dict[str, Any]) -> None:
         suite.set(attr, str(int(suite.get(attr, "0") or 0) + 1))
 
 
-def add_not_run(suites: list[ET.Element], summary: dict[str, Any]) -> None:
+def add_missing_cases(suites: list[ET.Element], summary: dict[str, Any]) -> None:
     """Give every test of ``summary`` its ``<testcase>``, so junit and summary agree.
 
     pytest's JUnit file of an interrupted run lists only the tests that reported,
@@ -421,24 +432,8 @@ def add_not_run(suites: list[ET.Element], summary: dict[str, Any]) -> None:
         if not isinstance(t, dict):
             continue
         nodepath, _, name = str(t.get("nodeid", "")).rpartition("::")
-        if (junit_classname(nodepath), name) in have:
-            continue
-        case = ET.SubElement(suites[0], "testcase", classname=junit_classname(
-            nodepath), name=name, time=str(t.get("duration_s") or 0))
-        added["tests"] += 1
-        o, message = t.get("outcome"), str(t.get("message") or "")[:2000]
-        if o == "failed":
-            ET.SubElement(case, "failure", message=message)
-            added["failures"] += 1
-        elif o == "error":
-            ET.SubElement(case, "error", message=message)
-            added["errors"] += 1
-        elif o in ("skipped", "not_run", "xfailed"):
-            skip = ET.SubElement(case, "skipped", message=message or (
-                "not run: the run stopped first"))
-            if o == "not_run":
-                skip.set("type", "tvc.not_run")
-            added["skipped"] += 1
+        if (junit_classname(nodepath), name) not in have:
+            _add_case(suites[0], t, added)
     for attr, n in added.items():
         suites[0].set(attr, str(int(suites[0].get(attr, "0") or 0) + n))
 
@@ -461,7 +456,7 @@ def stamp_junit(path: Path, summary: dict[str, Any]) -> None:
     for suite in suites:
         stamp_suite(suite, summary)
     if suites:
-        add_not_run(suites, summary)
+        add_missing_cases(suites, summary)
     if root.tag == "testsuites":
         for attr in ("tests", "failures", "errors", "skipped"):
             if root.get(attr) is not None:

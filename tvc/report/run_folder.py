@@ -238,7 +238,7 @@ def open_run_dir(path: Path, fresh: bool) -> tuple[Path, int]:
                 f"{p} is {'a symbolic link' if p.is_symlink() else 'in the way'}; "
                 "the suite writes only its own files, never through a link: remove "
                 "it")
-    if not fresh and holds_suite_run(path):
+    if not fresh:  # accepted: empty, or an earlier run's (check_run_dir)
         try:
             _clear_earlier_run(path)
         except OSError as exc:
